@@ -1,0 +1,197 @@
+"""Benchmarks: the training step with everything else removed, timed properly, saved with its context.
+
+`measure_step` runs warm-up steps first (allocator growth, kernel selection, autotuning), synchronizes the
+GPU around every timed step and reports the median, which one slow step (a GC pause, a recompile) cannot
+move. Batches are random token ids filling every position, so the numbers compare with published
+figures at the same shape; the model is random-init unless `model` names real weights.
+
+Each result is one JSON file. Every file has the top-level keys `name`, `preset`, `gpu`, `world_size`,
+`tokens_per_s` (per GPU), `peak_memory_gb` and `date`, plus the step times, MFU, the resolved config and the
+package versions, so any tool can read any result and trace it to its settings.
+
+MFU (model FLOPs utilisation, https://arxiv.org/abs/2204.02311 appendix B) counts the FLOPs the model needs
+— not the recomputation that checkpointing adds — against the GPU's dense bf16 peak from its datasheet.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from tunekit import checkpoint, memory
+from tunekit.config import TuneConfig, config_dict
+
+REQUIRED_KEYS = ("name", "preset", "gpu", "world_size", "tokens_per_s", "peak_memory_gb", "date")
+# Dense bf16 tensor-core peaks from vendor datasheets (FLOP/s), matched by substring of the device name.
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12,
+             "RTX 4090": 165e12, "RTX 3090": 71e12, "A6000": 155e12}
+
+
+def gpu_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.processor() or 'unknown'})"
+
+
+def peak_flops(name: str) -> float | None:
+    for key, value in PEAK_BF16.items():
+        if key in name:
+            return value
+    return None
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version(), "cuda": torch.version.cuda}
+    for pkg in ("torch", "transformers", "peft", "accelerate", "datasets", "bitsandbytes", "flash-attn",
+                "liger-kernel"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def flops_per_token(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int,
+                    seq: int, method: str, lora_params: int = 0) -> float:
+    """Training FLOPs per token for a Llama-shaped model.
+
+    Forward: 2 FLOPs per weight per token for every matmul (attention projections, MLP, LM head) plus
+    causal attention scores and values, 2 * seq * hidden per layer (half of the full 4 * seq * hidden).
+    Backward: full fine-tuning computes input *and* weight gradients (2x forward); with frozen base weights
+    (LoRA, QLoRA) only input gradients (1x forward) — so a LoRA step needs 2/3 the FLOPs of a full one.
+    Attention has no weights: its backward is 2x forward either way."""
+    kv = hidden // heads * kv_heads
+    matmul = layers * (2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * intermediate) + hidden * vocab
+    attn = layers * 2 * seq * hidden
+    weight_passes = 3 if method == "full" else 2
+    return 2 * matmul * weight_passes + attn * 3 + 6 * lora_params
+
+
+def measure_step(step_fn, warmup: int, steps: int, device: str) -> list[float]:
+    """Seconds per call of `step_fn` for `steps` calls after `warmup` untimed ones."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        step_fn()
+    sync()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step_fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def run_bench(cfg: TuneConfig, name: str = "", verbose: bool = True) -> dict:
+    """Build the model of `cfg`, time its training step, and return a result dict (see module docstring)."""
+    from tunekit import train as tr
+    from tunekit.model import count_parameters
+
+    device, dtype = tr.resolve_runtime(cfg)
+    vocab = cfg.vocab_size or len(tr.build_tokenizer(cfg))
+    torch.manual_seed(cfg.seed)
+    memory.reset_peak_memory(device)
+    t0 = time.perf_counter()
+    model = tr.build_training_model(cfg, vocab, device, dtype, verbose=verbose)
+    build_s = time.perf_counter() - t0
+    optimizer = tr.build_optimizer(model, cfg.lr, cfg.weight_decay, device)
+    scheduler = tr.build_scheduler(optimizer, cfg.warmup_steps, 10**9, cfg.min_lr_ratio)
+    autocast_dtype = dtype if dtype != torch.float32 and device == "cuda" else None
+    g = torch.Generator().manual_seed(cfg.seed)
+    micro = []
+    for _ in range(cfg.grad_accum):
+        ids = torch.randint(0, vocab, (cfg.batch_size, cfg.max_length), generator=g)
+        micro.append(tr.to_device({"input_ids": ids, "labels": ids.clone()}, device))
+
+    def step():
+        tr.train_step(model, micro, optimizer, scheduler, cfg.max_grad_norm, autocast_dtype)
+
+    times = measure_step(step, cfg.bench_warmup, cfg.bench_steps, device)
+    alloc, reserved = memory.peak_memory_gb(device)
+    median = statistics.median(times)
+    tokens = cfg.batch_size * cfg.grad_accum * cfg.max_length
+    trainable, total = count_parameters(model)
+    fpt = flops_per_token(cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads or cfg.num_heads,
+                          cfg.intermediate_size, vocab, cfg.max_length, cfg.method,
+                          trainable if cfg.method != "full" else 0)
+    gpu = gpu_name()
+    peak = peak_flops(gpu) if device == "cuda" else None
+    achieved = fpt * tokens / median
+    result = {
+        "name": name or cfg.preset, "preset": cfg.preset, "gpu": gpu, "world_size": 1,
+        "tokens_per_s": round(tokens / median, 1), "peak_memory_gb": round(alloc, 3),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "memory_measure": "torch.cuda.max_memory_allocated" if device == "cuda" else "process peak RSS",
+        "peak_reserved_gb": round(reserved, 3), "step_time_s": round(median, 5),
+        "step_times_s": [round(t, 5) for t in times], "tokens_per_step": tokens,
+        "model_tflops_per_s": round(achieved / 1e12, 2), "mfu": round(achieved / peak, 4) if peak else None,
+        "params_total": total, "params_trainable": trainable, "build_s": round(build_s, 1),
+        "weights": cfg.model or "random-init", "data": "random token ids, every position a target",
+        "config": config_dict(cfg), "versions": versions(),
+    }
+    if verbose:
+        print(format_table([result]))
+    return result
+
+
+def save_result(result: dict, out: str | Path) -> Path:
+    """Write one result; `out` is a .json path or a folder (then `<folder>/<name>.json`)."""
+    out = Path(out)
+    path = out if out.suffix == ".json" else out / f"{result['name']}.json"
+    checkpoint.atomic_write_json(path, result)
+    return path
+
+
+def load_results(*paths: str | Path) -> list[dict]:
+    """Read result files (or every *.json in given folders), checking each has the required keys."""
+    files: list[Path] = []
+    for p in map(Path, paths):
+        files.extend(sorted(p.glob("*.json")) if p.is_dir() else [p])
+    results = []
+    for f in files:
+        try:
+            r = json.loads(f.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{f}: line {e.lineno}: not valid JSON ({e.msg})") from None
+        missing = [k for k in REQUIRED_KEYS if k not in r]
+        if missing:
+            raise ValueError(f"{f}: not a tunekit result, missing keys {missing}")
+        r["_file"] = str(f)
+        results.append(r)
+    return results
+
+
+def format_table(results: list[dict]) -> str:
+    """A markdown table: one row a result."""
+    head = "| name | gpu | tok/s per GPU | step s | peak alloc GB | MFU |\n|---|---|---|---|---|---|"
+    def mfu(r: dict) -> str:
+        return "" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
+
+    rows = [f"| {r['name']} | {r['gpu']} | {r['tokens_per_s']:,.0f} | {r.get('step_time_s', float('nan')):.3f} | "
+            f"{r['peak_memory_gb']:.2f} | {mfu(r)} |" for r in results]
+    return "\n".join([head, *rows])
+
+
+def plot_results(results: list[dict], reference: dict[str, float] | None = None, title: str = ""):
+    """Bars of tok/s and peak memory per result; `reference` adds labelled horizontal lines (tok/s)."""
+    import matplotlib.pyplot as plt
+
+    names = [r["name"] for r in results]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 0.5 * len(names) + 2))
+    ax1.barh(names, [r["tokens_per_s"] for r in results], color="tab:blue")
+    ax1.set_xlabel("tokens/s per GPU (higher is better)")
+    for label, value in (reference or {}).items():
+        ax1.axvline(value, ls="--", color="gray")
+        ax1.text(value, len(names) - 0.5, f" {label}", rotation=90, va="top", fontsize=8, color="gray")
+    ax2.barh(names, [r["peak_memory_gb"] for r in results], color="tab:orange")
+    ax2.set_xlabel("peak allocated memory, GB (lower is better)")
+    ax2.set_yticks([])
+    fig.suptitle(title or f"{results[0]['gpu']}" if results else title)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,92 @@
+"""The `tunekit` command: train, bench, prepare, doctor.
+
+Every command but doctor takes `--preset NAME` and then any config field as `--field value`
+(`tunekit train --preset tiny --lr 1e-3 --max-steps 20`); unknown fields are rejected.
+`tunekit train --help` lists the fields with their docs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import sys
+import textwrap
+
+from tunekit.config import PRESETS, ConfigError, TuneConfig, field_types, resolve
+
+
+def field_docs() -> dict[str, str]:
+    """Each field's docstring (the string literal under it in TuneConfig)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(TuneConfig)))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def fields_help() -> str:
+    defaults = TuneConfig()
+    docs = field_docs()
+    lines = ["config fields (override any with --field value; defaults are the tiny preset's):"]
+    for name, typ in field_types().items():
+        lines.append(f"  --{name.replace('_', '-')} {typ.__name__.upper()} (default {getattr(defaults, name)!r})")
+        lines.append(textwrap.fill(docs.get(name, ""), 100, initial_indent=" " * 6, subsequent_indent=" " * 6))
+    return "\n".join(lines)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tunekit", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    common = dict(formatter_class=argparse.RawDescriptionHelpFormatter, epilog=fields_help())
+    p = sub.add_parser("train", help="fine-tune a model", description="Train for --max-steps steps, "
+                       "checkpointing every --save-every; --resume continues from the latest checkpoint.", **common)
+    p.add_argument("--preset", default="tiny", help=f"one of {', '.join(PRESETS)} (default tiny)")
+    p.add_argument("--resume", action="store_true", help="continue from <out-dir>/latest")
+    p = sub.add_parser("bench", help="time the training step and write a result JSON",
+                       description="Warm up, time --bench-steps steps, report the median; write JSON.", **common)
+    p.add_argument("--preset", default="tiny", help=f"one of {', '.join(PRESETS)} (default tiny)")
+    p.add_argument("--name", default="", help="result name (default: the preset)")
+    p.add_argument("--out", default="runs/bench", help="a .json file or a folder (default runs/bench)")
+    p = sub.add_parser("prepare", help="tokenize the training data offline into <out-dir>/prepared", **common)
+    p.add_argument("--preset", default="tiny", help=f"one of {', '.join(PRESETS)} (default tiny)")
+    p.add_argument("--num-proc", type=int, default=None, help="tokenizer processes for datasets.map")
+    sub.add_parser("doctor", help="what this machine has: GPU, bf16, optional packages")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, rest = make_parser().parse_known_args(argv)
+    if args.command == "doctor":
+        from tunekit.doctor import main as doctor
+
+        return doctor()
+    try:
+        cfg = resolve(args.preset, rest)
+        if args.command == "train":
+            from tunekit.train import train
+
+            summary = train(cfg, resume=args.resume)
+            print(f"done: {summary['steps']} steps, loss {summary['losses'][0]:.3f} -> {summary['final_loss']:.3f}"
+                  if summary["losses"] else "done: nothing to do")
+            print(f"outputs in {summary['run_dir']}")
+        elif args.command == "bench":
+            from tunekit.bench import run_bench, save_result
+
+            path = save_result(run_bench(cfg, args.name), args.out)
+            print(f"result -> {path}")
+        elif args.command == "prepare":
+            from tunekit.train import prepare
+
+            prepare(cfg, num_proc=args.num_proc)
+    except (ConfigError, ValueError, FileNotFoundError, RuntimeError, OSError) as e:
+        print(f"tunekit {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,286 @@
+"""One typed config for every run, presets as plain functions, and CLI overrides by field name.
+
+Only entry points (`train`, `bench`, `cli`) take a `TuneConfig`; library functions take plain arguments,
+so a notebook can call any piece alone. The resolved config is saved beside every run's outputs
+(`save_config`), so a result can always be traced back to the settings that produced it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+METHODS = ("full", "lora", "qlora")
+DTYPES = ("auto", "bf16", "fp16", "fp32")
+ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; the message names the field and what to do."""
+
+
+@dataclass
+class TuneConfig:
+    # ---- run -------------------------------------------------------------------------------------
+    preset: str = "tiny"
+    """Name of the preset this config started from (recorded in results; not a switch)."""
+    out_dir: str = ""
+    """Where checkpoints, metrics and the resolved config go. Empty: `runs/<preset>`."""
+    seed: int = 0
+    """Seeds model init, LoRA init, data order and dropout, so two runs with one seed match."""
+    device: str = "auto"
+    """`auto` (CUDA when present, else CPU), `cpu` or `cuda`."""
+
+    # ---- model -----------------------------------------------------------------------------------
+    model: str = ""
+    """Hub name or local path of a causal LM. Empty: build a random-init Llama from the arch fields."""
+    hidden_size: int = 128
+    """Arch (random init only): model width."""
+    num_layers: int = 4
+    """Arch (random init only): decoder blocks."""
+    num_heads: int = 4
+    """Arch (random init only): attention heads."""
+    num_kv_heads: int = 0
+    """Arch (random init only): key/value heads for GQA. 0 means equal to `num_heads`."""
+    intermediate_size: int = 352
+    """Arch (random init only): MLP width."""
+    vocab_size: int = 0
+    """Arch (random init only): embedding rows. 0 means the tokenizer's vocabulary size."""
+    tokenizer: str = ""
+    """Hub name or local path of a tokenizer. Empty: `model`'s tokenizer, or (random init) a byte-level
+    BPE trained offline on the training data and cached."""
+    tokenizer_vocab: int = 1024
+    """Vocabulary size of the offline-trained BPE tokenizer (when `tokenizer` and `model` are empty)."""
+    method: str = "lora"
+    """`full` (every weight trains), `lora` (bf16/fp32 base + adapters) or `qlora` (4-bit NF4 base)."""
+    lora_r: int = 16
+    """LoRA rank."""
+    lora_alpha: int = 32
+    """LoRA scale numerator: the update is scaled by alpha / r."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA input. 0 keeps the step deterministic and lets peft skip a copy."""
+    lora_targets: str = "all-linear"
+    """Modules that get adapters: `all-linear` or a comma-separated list such as `q_proj,v_proj`."""
+    dtype: str = "auto"
+    """Weights and compute: `auto` is bf16 on a GPU that supports it, fp32 on CPU."""
+    attention: str = "auto"
+    """Attention kernel: `auto`, `sdpa`, `eager`, `flash_attention_2` or `flex_attention`."""
+    grad_ckpt: bool = False
+    """Gradient checkpointing: recompute activations in backward. Saves most activation memory for
+    about a third more compute."""
+
+    # ---- data ------------------------------------------------------------------------------------
+    data: str = "data/arith/train.jsonl"
+    """Training data: a JSONL/JSON/parquet/text file, a `save_to_disk` folder, or a hub dataset name."""
+    max_length: int = 256
+    """Tokens per sample; longer samples are truncated (and counted)."""
+    num_workers: int = 0
+    """DataLoader worker processes. 0 collates in the training process."""
+
+    # ---- optimisation ----------------------------------------------------------------------------
+    batch_size: int = 16
+    """Micro-batch: samples per forward/backward."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step. Global batch = batch_size * grad_accum (* world size)."""
+    lr: float = 3e-3
+    """Peak learning rate, reached after `warmup_steps` and decayed along a cosine to `min_lr_ratio`."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of `lr`."""
+    warmup_steps: int = 10
+    """Linear warm-up steps."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+    max_steps: int = 150
+    """Optimizer steps to run."""
+
+    # ---- logging and checkpoints -----------------------------------------------------------------
+    log_every: int = 1
+    """Write a metrics row every this many steps."""
+    save_every: int = 0
+    """Checkpoint every this many steps (0: only at the end)."""
+
+    # ---- benchmark -------------------------------------------------------------------------------
+    bench_warmup: int = 3
+    """Steps run before timing starts (allocator, kernels and autotuning settle)."""
+    bench_steps: int = 10
+    """Timed steps; the median step time is reported."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def need(cond: bool, fieldname: str, msg: str) -> None:
+            if not cond:
+                raise ConfigError(f"config field '{fieldname}' = {getattr(self, fieldname)!r}: {msg}")
+
+        need(self.method in METHODS, "method", f"choose one of {', '.join(METHODS)}")
+        need(self.dtype in DTYPES, "dtype", f"choose one of {', '.join(DTYPES)}")
+        need(self.attention in ATTENTION, "attention", f"choose one of {', '.join(ATTENTION)}")
+        need(self.device in DEVICES, "device", f"choose one of {', '.join(DEVICES)}")
+        for name in ("batch_size", "grad_accum", "max_length", "max_steps", "log_every",
+                     "bench_steps", "hidden_size", "num_layers", "num_heads", "intermediate_size"):
+            need(getattr(self, name) > 0, name, "must be a positive integer")
+        for name in ("num_workers", "save_every", "warmup_steps", "bench_warmup", "num_kv_heads", "vocab_size"):
+            need(getattr(self, name) >= 0, name, "must be zero or positive")
+        need(self.lr > 0, "lr", "must be positive")
+        need(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be between 0 and 1")
+        need(0 <= self.lora_dropout < 1, "lora_dropout", "must be in [0, 1)")
+        if self.method != "full":
+            need(self.lora_r > 0, "lora_r", "LoRA/QLoRA need a positive rank")
+        need(self.hidden_size % self.num_heads == 0, "hidden_size", "must be divisible by num_heads")
+        if self.num_kv_heads:
+            need(self.num_heads % self.num_kv_heads == 0, "num_kv_heads", "must divide num_heads")
+        need(self.tokenizer_vocab >= 256 + 8, "tokenizer_vocab", "a byte-level BPE needs at least 264 entries")
+
+    # ---- derived values ------------------------------------------------------------------------------
+    def run_dir(self) -> Path:
+        return Path(self.out_dir or f"runs/{self.preset}")
+
+    def tokens_per_step(self, world_size: int = 1) -> int:
+        """Token slots (padding included) per optimizer step."""
+        return self.batch_size * self.grad_accum * self.max_length * world_size
+
+
+# ---- presets: plain functions, each returns a fresh config -----------------------------------------
+
+
+def tiny(**overrides) -> TuneConfig:
+    """A random-init 4-layer Llama (1.2M params) on the project's arithmetic data. Runs on a laptop CPU in seconds."""
+    return TuneConfig(**{"preset": "tiny", **overrides})
+
+
+def _llama7b(**kw) -> dict:
+    # The Llama-2-7B shape: 6.74 B parameters. With `model` empty the weights are random: speed and
+    # memory are the same as with the real weights; the loss means nothing.
+    return dict(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=32, intermediate_size=11008,
+                vocab_size=32000, tokenizer_vocab=32000, max_length=2048, batch_size=4, lr=2e-4,
+                warmup_steps=20, max_steps=200, save_every=100, log_every=1, num_workers=2,
+                data="gsm8k", **kw)
+
+
+def llama7b_lora(**overrides) -> TuneConfig:
+    """7B Llama shape, bf16 weights, LoRA r16 on every linear layer, seq 2048, batch 4."""
+    return TuneConfig(**{**_llama7b(preset="llama7b_lora", method="lora"), **overrides})
+
+
+def llama7b_qlora(**overrides) -> TuneConfig:
+    """7B Llama shape, NF4 double-quant weights with bf16 compute, LoRA r16, checkpointing, batch 8."""
+    return TuneConfig(**{**_llama7b(preset="llama7b_qlora", method="qlora", grad_ckpt=True, batch_size=8),
+                         **overrides})
+
+
+PRESETS: dict[str, typing.Callable[..., TuneConfig]] = {
+    "tiny": tiny, "llama7b_lora": llama7b_lora, "llama7b_qlora": llama7b_qlora,
+}
+GPU_PRESETS = ("llama7b_lora", "llama7b_qlora")
+
+
+def get_preset(name: str, **overrides) -> TuneConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    return PRESETS[name](**overrides)
+
+
+# ---- overrides from the command line ---------------------------------------------------------------
+
+
+def field_types() -> dict[str, type]:
+    hints = typing.get_type_hints(TuneConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(TuneConfig)}
+
+
+def parse_value(name: str, text: str, typ: type):
+    """Turn the string `text` into a value for field `name`, or raise ConfigError saying why not."""
+    try:
+        if typ is bool:
+            low = text.lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        return typ(text)
+    except ValueError:
+        raise ConfigError(f"--{name.replace('_', '-')} {text!r}: expected {typ.__name__}") from None
+
+
+def parse_overrides(args: list[str]) -> dict[str, object]:
+    """`['--lr', '2e-4', '--grad-ckpt', '--max_steps=5']` -> `{'lr': 2e-4, 'grad_ckpt': True, 'max_steps': 5}`.
+
+    A bare boolean flag means true. Unknown fields are rejected with the list of known ones."""
+    types = field_types()
+    out: dict[str, object] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}: overrides look like --field value")
+        key, eq, value = arg[2:].partition("=")
+        name = key.replace("-", "_")
+        if name not in types:
+            close = [f for f in types if name in f or f in name]
+            hint = f" Did you mean {', '.join('--' + c.replace('_', '-') for c in close)}?" if close else ""
+            raise ConfigError(f"unknown config field --{key}.{hint} Known fields: {', '.join(types)}")
+        if not eq:
+            nxt = args[i + 1] if i + 1 < len(args) else None
+            if types[name] is bool and (nxt is None or nxt.startswith("--")):
+                value = "true"
+            elif nxt is None:
+                raise ConfigError(f"--{key} needs a value")
+            else:
+                value, i = nxt, i + 1
+        out[name] = parse_value(name, value, types[name])
+        i += 1
+    return out
+
+
+def resolve(preset: str, args: list[str] | None = None, **overrides) -> TuneConfig:
+    """A preset plus CLI-style overrides plus keyword overrides, validated."""
+    merged = {**parse_overrides(args or []), **overrides}
+    return get_preset(preset, **merged)
+
+
+# ---- saving and loading ----------------------------------------------------------------------------
+
+
+def config_dict(cfg: TuneConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: TuneConfig, path: str | os.PathLike) -> None:
+    from tunekit.checkpoint import atomic_write_text
+
+    atomic_write_text(path, json.dumps(config_dict(cfg), indent=2) + "\n")
+
+
+def load_config(path: str | os.PathLike) -> TuneConfig:
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no config file there") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: line {e.lineno}: not valid JSON ({e.msg})") from None
+    unknown = set(raw) - set(field_types())
+    if unknown:
+        raise ConfigError(f"{path}: unknown config fields {sorted(unknown)}")
+    return TuneConfig(**raw)
+
+
+def smoke_mode() -> bool:
+    """True when TUNEKIT_SMOKE=1: notebooks and benches pick the tiny preset whatever the hardware."""
+    return os.environ.get("TUNEKIT_SMOKE", "") not in ("", "0")
+
+
+__all__ = [
+    "TuneConfig", "ConfigError", "tiny", "llama7b_lora", "llama7b_qlora", "PRESETS", "GPU_PRESETS",
+    "get_preset", "parse_overrides", "resolve", "save_config", "load_config", "config_dict", "smoke_mode",
+]

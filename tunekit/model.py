@@ -1,0 +1,212 @@
+"""Models and tokenizers: from the hub, from a local path, or built offline with random weights.
+
+- `build_model` makes a causal LM from a hub name/path, or a random-init Llama of any shape. Random init
+  happens directly on the target device: a 7B model takes seconds on a GPU, not minutes on a CPU. Speed and
+  memory of a random-init model equal those of the real weights; its loss means nothing.
+- `train_tokenizer` trains a byte-level BPE (https://huggingface.co/docs/tokenizers) on the training text and
+  caches it, so everything runs with no hub at all.
+- `apply_lora` attaches LoRA adapters (https://arxiv.org/abs/2106.09685) through peft; only the adapters train.
+- `load_quantized` loads NF4 4-bit weights with bitsandbytes for QLoRA (https://arxiv.org/abs/2305.14314).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TUNEKIT_CACHE", Path.home() / ".cache" / "tunekit"))
+
+
+# ---- device and dtype ------------------------------------------------------------------------------
+
+
+def resolve_device(requested: str) -> str:
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device=cuda was asked for, but PyTorch sees no CUDA GPU "
+                           "(run `tunekit doctor`). Use --device cpu with --preset tiny.")
+    return requested
+
+
+def resolve_dtype(requested: str, device: str) -> torch.dtype:
+    if requested == "auto":
+        if device == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    return DTYPE[requested]
+
+
+# ---- tokenizers ------------------------------------------------------------------------------------
+
+
+def load_tokenizer(name_or_path: str):
+    """A tokenizer from the hub or a local folder; gets a pad token if it has none (Llama has none)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(name_or_path)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int, cache: Path | None = None):
+    """Train a byte-level BPE on `texts`, or load it from the cache when the same texts and size were seen.
+
+    Byte-level means every string encodes (no unknown token), as with GPT-2 and Llama-3 tokenizers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    texts = list(texts)
+    digest = hashlib.sha256(f"bpe-v1|{vocab_size}|".encode())
+    for t in texts:
+        digest.update(t.encode())
+        digest.update(b"\0")
+    folder = (cache or cache_dir() / "tokenizers") / digest.hexdigest()[:16]
+    if (folder / "tokenizer.json").exists():
+        return PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"),
+                                       bos_token=BOS, eos_token=EOS, pad_token=PAD)
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[PAD, BOS, EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tk.train_from_iterator(texts, trainer=trainer)
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    tk.save(str(tmp / "tokenizer.json"))
+    try:
+        os.replace(tmp, folder)
+    except OSError:  # another process cached the same tokenizer first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"),
+                                   bos_token=BOS, eos_token=EOS, pad_token=PAD)
+
+
+# ---- models ----------------------------------------------------------------------------------------
+
+
+def llama_config(hidden_size: int, num_layers: int, num_heads: int, intermediate_size: int, vocab_size: int,
+                 num_kv_heads: int = 0, max_position: int = 4096):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                       num_key_value_heads=num_kv_heads or num_heads, intermediate_size=intermediate_size,
+                       vocab_size=vocab_size, max_position_embeddings=max_position, use_cache=False,
+                       tie_word_embeddings=False)
+
+
+def build_model(arch=None, name_or_path: str = "", dtype: torch.dtype = torch.float32, device: str = "cpu",
+                attention: str = "sdpa", seed: int = 0):
+    """A causal LM: `from_pretrained(name_or_path)` when given, else random init from the config `arch`.
+
+    Returned in train mode: `from_pretrained` gives eval mode, in which transformers skips checkpointing."""
+    from transformers import AutoModelForCausalLM
+
+    if name_or_path:
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation=attention,
+                                                     device_map={"": device})
+    else:
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(arch, dtype=dtype, attn_implementation=attention)
+    model.config.use_cache = False
+    return model.train()
+
+
+def save_random_init(arch, dtype: torch.dtype, seed: int = 0) -> Path:
+    """Build a random-init model once and save it (cached by shape and seed), for paths that need a
+    checkpoint on disk — a 4-bit load quantizes while loading. About a minute for 7B."""
+    key = hashlib.sha256(f"{arch.to_json_string()}|{dtype}|{seed}".encode()).hexdigest()[:16]
+    folder = cache_dir() / "models" / key
+    if (folder / "config.json").exists():
+        return folder
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = build_model(arch, dtype=dtype, device=device, seed=seed)
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    del model
+    os.replace(tmp, folder)
+    return folder
+
+
+def load_quantized(name_or_path: str, device: str = "cuda", attention: str = "sdpa",
+                   compute_dtype: torch.dtype = torch.bfloat16):
+    """NF4 weights with double quantization and bf16 compute, as the QLoRA paper does.
+
+    The packed weights are stored as bf16 tensors (`bnb_4bit_quant_storage`) so FSDP can shard them
+    alongside the rest of the model."""
+    if device != "cuda":
+        raise RuntimeError("method=qlora needs a CUDA GPU: bitsandbytes 4-bit kernels run on GPUs only. "
+                           "Use --method lora (or full) on CPU.")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise RuntimeError("method=qlora needs bitsandbytes: pip install 'tunekit[gpu]' "
+                           "(or pip install bitsandbytes).") from None
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=compute_dtype, bnb_4bit_quant_storage=compute_dtype)
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, quantization_config=quant, dtype=compute_dtype,
+                                                 attn_implementation=attention, device_map={"": device})
+    model.config.use_cache = False
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.train()
+
+
+def apply_lora(model, r: int = 16, alpha: int = 32, dropout: float = 0.0, targets: str = "all-linear"):
+    """Freeze the base model and add LoRA adapters to `targets` (every linear layer but the LM head by
+    default). Adapter weights are kept in fp32 (peft's default) while the base may be bf16 or 4-bit."""
+    from peft import LoraConfig, get_peft_model
+
+    target = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target,
+                        task_type="CAUSAL_LM", bias="none")
+    with warnings.catch_warnings():  # peft reads a property that transformers 5 deprecated; not ours to fix
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, config)
+
+
+def count_parameters(model) -> tuple[int, int]:
+    """(trainable, total). 4-bit weights are packed two to a byte; count the weights they stand for."""
+    trainable = total = 0
+    for p in model.parameters():
+        n = p.numel()
+        if hasattr(p, "quant_state"):
+            n = p.quant_state.shape.numel() if hasattr(p.quant_state, "shape") else n * 2
+        total += n
+        if p.requires_grad:
+            trainable += n
+    return trainable, total
+
+
+def save_adapter(model, path: str | os.PathLike) -> Path:
+    """Save a PEFT adapter (adapter_config.json + adapter_model.safetensors) atomically."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+    return path
+
+
+def load_adapter(base_model, path: str | os.PathLike, trainable: bool = False):
+    """Attach a saved PEFT adapter to `base_model`."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(base_model, str(path), is_trainable=trainable)

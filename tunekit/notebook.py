@@ -1,0 +1,77 @@
+"""Helpers the course notebooks share: choosing the preset for the hardware, running commands, results.
+
+A notebook picks the real (GPU) preset when a CUDA GPU is present and the tiny one otherwise, or whenever
+TUNEKIT_SMOKE=1 — so the same notebook runs on an H200 for the course and on a CPU in CI. Heavy runs go
+through the `tunekit` command in a child process: the GPU memory is freed when it exits, and the notebook
+reads the result file back.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from tunekit.config import REPO_ROOT, smoke_mode
+
+RESULTS = REPO_ROOT / "notebooks" / "results"
+
+
+def on_gpu() -> bool:
+    """True when the notebook should run its real, GPU-sized experiments."""
+    return torch.cuda.is_available() and not smoke_mode()
+
+
+def pick_preset(gpu_preset: str) -> str:
+    """`gpu_preset` on a GPU, `tiny` on CPU or in smoke mode; prints which and why."""
+    if on_gpu():
+        print(f"mode: GPU ({torch.cuda.get_device_name()}) -> preset {gpu_preset}")
+        return gpu_preset
+    why = "TUNEKIT_SMOKE=1" if smoke_mode() else "no CUDA GPU"
+    print(f"mode: smoke ({why}) -> preset tiny; the committed outputs come from the GPU run")
+    return "tiny"
+
+
+def results_dir() -> Path:
+    """Where this run's results go: the published folder on a GPU, a scratch folder in smoke mode, so a
+    CPU run never overwrites the GPU results the notebooks are read with."""
+    return RESULTS if on_gpu() else REPO_ROOT / "runs" / "smoke-results"
+
+
+def run(*args: str, check: bool = True) -> int:
+    """Run `tunekit ARGS...` in a child process, streaming its output into the notebook."""
+    cmd = [sys.executable, "-m", "tunekit.cli", *map(str, args)]
+    print("$ tunekit " + " ".join(map(str, args)), flush=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    for line in proc.stdout:
+        print(line, end="")
+    code = proc.wait()
+    if check and code != 0:
+        raise RuntimeError(f"tunekit {' '.join(map(str, args))} failed with exit code {code}")
+    return code
+
+
+def execute(path: str | Path, timeout: int = 1800) -> Path:
+    """Execute a notebook in place with nbclient (the way the committed GPU outputs are produced):
+    `python -m tunekit.notebook notebooks/00_quickstart.ipynb`. Written atomically, only if every cell ran."""
+    import nbclient
+    import nbformat
+
+    from tunekit.checkpoint import atomic_write_text
+
+    path = Path(path)
+    nb = nbformat.read(path, as_version=4)
+    client = nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                                     resources={"metadata": {"path": str(path.parent)}})
+    client.execute()
+    atomic_write_text(path, nbformat.writes(nb))
+    return path
+
+
+if __name__ == "__main__":
+    for arg in sys.argv[1:]:
+        print(f"executed {execute(arg)}")

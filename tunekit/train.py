@@ -1,0 +1,278 @@
+"""The training loop: read it top to bottom.
+
+One optimizer step = `grad_accum` micro-batches. The loss is summed over target tokens and divided by the
+number of target tokens in the *whole* step (not by the number of micro-batches), so accumulating 4 x 2
+samples gives the same loss and gradients as one batch of 8 whatever the padding.
+
+Speed choices, each with its reason:
+- bf16 weights and autocast on GPUs that have it; fp32 on CPU (CPU bf16 matmuls are slow and inexact).
+- No attention mask: batches are right-padded and attention is causal, so real tokens never see a pad.
+  Without a mask SDPA can pick its fused flash/cuDNN kernels.
+- Fused AdamW on CUDA (one kernel for all parameters instead of several per tensor).
+- Progress, metrics and checkpoints happen once per step, outside the micro-step.
+
+`micro_step` is a plain function of (model, batch, n_targets): later lessons compile it, wrap the model in
+FSDP or swap the loss for a fused kernel without touching the loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tunekit import checkpoint, data, memory, model as mdl
+from tunekit.attention import choose_attention
+from tunekit.config import GPU_PRESETS, TuneConfig, save_config
+
+# ---- building the pieces from a config ---------------------------------------------------------------
+
+
+def resolve_runtime(cfg: TuneConfig) -> tuple[str, torch.dtype]:
+    device = mdl.resolve_device(cfg.device)
+    if device != "cuda" and cfg.preset in GPU_PRESETS and not cfg.model:
+        raise RuntimeError(f"preset {cfg.preset!r} builds a 6.7B-parameter model and needs a CUDA GPU, "
+                           "but none is visible (run `tunekit doctor`). On this machine use --preset tiny.")
+    return device, mdl.resolve_dtype(cfg.dtype, device)
+
+
+def training_texts(ds) -> list[str]:
+    prompt_fields, response = data.detect_layout(ds.column_names)
+    return [data.format_prompt(r, prompt_fields) + r[response] for r in ds
+            if isinstance(r.get(response), str)]
+
+
+def build_tokenizer(cfg: TuneConfig, records=None):
+    if cfg.tokenizer or cfg.model:
+        return mdl.load_tokenizer(cfg.tokenizer or cfg.model)
+    records = records if records is not None else data.load_records(cfg.data)
+    return mdl.train_tokenizer(training_texts(records), cfg.tokenizer_vocab)
+
+
+def prepare(cfg: TuneConfig, num_proc: int | None = None, verbose: bool = True):
+    """Tokenize the training data offline into `<run_dir>/prepared/`, or reuse it if it is up to date.
+
+    Returns (tokenizer, tokenized dataset, stats)."""
+    import datasets
+
+    run_dir = cfg.run_dir()
+    out = run_dir / "prepared"
+    src = Path(data.resolve_source(cfg.data))
+    stamp = f"{src.stat().st_size}:{src.stat().st_mtime_ns}" if src.is_file() else cfg.data
+    key = hashlib.sha256(json.dumps([cfg.data, stamp, cfg.tokenizer or cfg.model, cfg.tokenizer_vocab,
+                                     cfg.max_length]).encode()).hexdigest()[:16]
+    stats_file = out / "stats.json"
+    if stats_file.exists() and json.loads(stats_file.read_text()).get("key") == key:
+        from transformers import AutoTokenizer
+
+        stats = json.loads(stats_file.read_text())
+        if verbose:
+            print(f"data: reusing {out} ({stats['samples']} samples, {stats['tokens']} tokens)")
+        return AutoTokenizer.from_pretrained(str(out / "tokenizer")), datasets.load_from_disk(str(out / "dataset")), stats
+    if not verbose:
+        datasets.disable_progress_bars()
+    records = data.load_records(cfg.data)
+    tokenizer = build_tokenizer(cfg, records)
+    ds, stats = data.tokenize_dataset(records, tokenizer, cfg.max_length, num_proc=num_proc)
+    stats["key"] = key
+    out.mkdir(parents=True, exist_ok=True)
+    data.save_dataset(ds, out / "dataset")
+    tokenizer.save_pretrained(str(out / "tokenizer"))
+    checkpoint.atomic_write_json(stats_file, stats)
+    if verbose:
+        print(f"data: {stats['samples']} samples, {stats['tokens']} tokens, {stats['truncated']} truncated "
+              f"to {cfg.max_length} -> {out}")
+    return tokenizer, datasets.load_from_disk(str(out / "dataset")), stats
+
+
+def build_training_model(cfg: TuneConfig, vocab_size: int, device: str, dtype: torch.dtype, verbose: bool = True):
+    """The model as it will train: base weights (random init, hub or local), LoRA/QLoRA, checkpointing."""
+    attn, why = choose_attention(cfg.attention, device)
+    arch = mdl.llama_config(cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.intermediate_size,
+                            cfg.vocab_size or vocab_size, cfg.num_kv_heads, max(cfg.max_length, 2048))
+    if cfg.vocab_size and vocab_size > cfg.vocab_size:
+        raise ValueError(f"the tokenizer has {vocab_size} tokens but vocab_size is {cfg.vocab_size}; "
+                         f"raise --vocab-size or lower --tokenizer-vocab.")
+    if cfg.method == "qlora":
+        source = cfg.model or str(mdl.save_random_init(arch, torch.bfloat16, cfg.seed))
+        model = mdl.load_quantized(source, device, attn)
+    else:
+        model = mdl.build_model(arch, cfg.model, dtype, device, attn, cfg.seed)
+    if cfg.method in ("lora", "qlora"):
+        torch.manual_seed(cfg.seed + 1)
+        model = mdl.apply_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
+    if cfg.grad_ckpt:
+        memory.apply_gradient_checkpointing(model)
+    model.train()
+    memory.check_checkpointing(model, cfg.grad_ckpt)
+    if verbose:
+        trainable, total = mdl.count_parameters(model)
+        source = cfg.model or "random init (no pretrained knowledge: speed and memory match real weights, the loss starts from noise)"
+        print(f"model: {total / 1e6:.1f}M params, {trainable / 1e6:.2f}M trainable ({cfg.method}), {source}")
+        print(f"attention: {why}; dtype {dtype}; checkpointing {'on' if cfg.grad_ckpt else 'off'}; device {device}")
+    return model
+
+
+def build_optimizer(model, lr: float, weight_decay: float, device: str) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = device == "cuda"  # one kernel for every tensor; on CPU the default foreach path is as good
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, fused=fused)
+
+
+def build_scheduler(optimizer, warmup_steps: int, max_steps: int, min_lr_ratio: float):
+    """Linear warm-up to the peak, then a cosine down to `min_lr_ratio` of it."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+# ---- one step ----------------------------------------------------------------------------------------
+
+
+def count_targets(micro_batches: list[dict]) -> int:
+    """Target tokens in the whole step: labels that are not ignored, after the one-token shift."""
+    return sum(int((b["labels"][:, 1:] != data.IGNORE).sum()) for b in micro_batches)
+
+
+def micro_step(model, batch: dict, n_targets: int, autocast_dtype: torch.dtype | None) -> torch.Tensor:
+    """Forward and backward on one micro-batch; returns its share of the step loss (detached).
+
+    Labels are shifted rather than logits sliced, which would copy the largest tensor of the step."""
+    device_type = batch["input_ids"].device.type
+    with torch.autocast(device_type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+        logits = model(input_ids=batch["input_ids"], use_cache=False).logits
+    labels = F.pad(batch["labels"][:, 1:], (0, 1), value=data.IGNORE)
+    loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.reshape(-1),
+                           ignore_index=data.IGNORE, reduction="sum") / n_targets
+    loss.backward()
+    return loss.detach()
+
+
+def train_step(model, micro_batches: list[dict], optimizer, scheduler, max_grad_norm: float,
+               autocast_dtype: torch.dtype | None) -> dict:
+    """One optimizer step over `micro_batches` (already on the device)."""
+    n_targets = max(1, count_targets(micro_batches))
+    loss = sum(micro_step(model, b, n_targets, autocast_dtype) for b in micro_batches)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": loss, "grad_norm": grad_norm, "targets": n_targets}
+
+
+def to_device(batch: dict, device: str) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def batches_from(ds, cfg: TuneConfig, pad_id: int, epoch: int, start_batch: int):
+    """Yield (epoch, batch index within epoch, batch) forever, starting at a saved position."""
+    while True:
+        loader = data.build_dataloader(ds, cfg.batch_size, pad_id, cfg.seed, epoch, start_batch, cfg.num_workers)
+        for i, batch in enumerate(loader, start_batch):
+            yield epoch, i, batch
+        epoch, start_batch = epoch + 1, 0
+
+
+# ---- the run -----------------------------------------------------------------------------------------
+
+
+def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, progress: bool = True) -> dict:
+    """Train `cfg.max_steps` steps; checkpoint every `save_every`; with `resume`, continue from the latest
+    checkpoint exactly. `stop_after` ends the process's work after that step (as a kill would) — for
+    time-boxed sessions and the resume test. Returns a summary with the loss curve."""
+    from tqdm.auto import tqdm
+
+    device, dtype = resolve_runtime(cfg)
+    run_dir = cfg.run_dir()
+    checkpoint._check_writable(run_dir)
+    save_config(cfg, run_dir / "config.json")
+    tokenizer, ds, stats = prepare(cfg, verbose=progress)
+    if len(ds) < cfg.batch_size:
+        raise ValueError(f"{cfg.data}: {len(ds)} samples, fewer than one batch of {cfg.batch_size}.")
+    torch.manual_seed(cfg.seed)
+    model = build_training_model(cfg, len(tokenizer), device, dtype, verbose=progress)
+    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, device)
+    scheduler = build_scheduler(optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
+    autocast_dtype = dtype if dtype != torch.float32 and device == "cuda" else None
+
+    step, epoch, start_batch = 0, 0, 0
+    metrics_file = run_dir / "metrics.jsonl"
+    ckpt = checkpoint.latest_checkpoint(run_dir) if resume else None
+    if ckpt is not None:
+        saved = checkpoint.load_checkpoint(ckpt, model, optimizer, scheduler)
+        step, epoch, start_batch = saved["step"], saved["data"]["epoch"], saved["data"]["next_batch"]
+        rows = [r for r in _read_metrics(metrics_file) if r["step"] <= step]  # drop steps after the checkpoint
+        checkpoint.atomic_write_text(metrics_file, "".join(json.dumps(r) + "\n" for r in rows))
+        if progress:
+            print(f"resume: from {ckpt} (step {step}, epoch {epoch}, batch {start_batch})")
+    elif resume and progress:
+        print(f"resume: no checkpoint in {run_dir}; starting fresh")
+    if ckpt is None:
+        metrics_file.write_text("")
+    index = start_batch - 1
+
+    stream = batches_from(ds, cfg, tokenizer.pad_token_id, epoch, start_batch)
+    bar = tqdm(total=cfg.max_steps, initial=step, disable=not progress, desc="train")
+    memory.reset_peak_memory(device)
+    t_last, tokens_since, losses = time.perf_counter(), 0, []
+    with open(metrics_file, "a") as mf:
+        while step < cfg.max_steps:
+            micro = []
+            for _ in range(cfg.grad_accum):
+                epoch, index, batch = next(stream)
+                tokens_since += int(batch.pop("attention_mask").sum())  # real tokens, counted on the host
+                micro.append(to_device(batch, device))
+            out = train_step(model, micro, optimizer, scheduler, cfg.max_grad_norm, autocast_dtype)
+            step += 1
+            loss = out["loss"].item()
+            losses.append(loss)
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"step {step}: loss is {loss}. Lower --lr or check the data.")
+            if step % cfg.log_every == 0 or step == cfg.max_steps:
+                now = time.perf_counter()
+                alloc, _ = memory.peak_memory_gb(device)
+                row = {"step": step, "loss": round(loss, 6), "lr": scheduler.get_last_lr()[0],
+                       "grad_norm": round(float(out["grad_norm"]), 6), "epoch": epoch,
+                       "tok_per_s": round(tokens_since / (now - t_last), 1), "peak_mem_gb": round(alloc, 3)}
+                mf.write(json.dumps(row) + "\n")
+                mf.flush()
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tok_per_s']:.0f}", mem=f"{alloc:.1f}G")
+                t_last, tokens_since = now, 0
+            bar.update(1)
+            if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
+                checkpoint.save_checkpoint(run_dir, step, model, optimizer, scheduler,
+                                           {"epoch": epoch, "next_batch": index + 1})
+            if stop_after is not None and step >= stop_after:
+                break
+    bar.close()
+    summary = {"steps": step, "losses": losses, "final_loss": losses[-1] if losses else None,
+               "data": stats, "run_dir": str(run_dir)}
+    if step >= cfg.max_steps:
+        checkpoint.save_checkpoint(run_dir, step, model, optimizer, scheduler,
+                                   {"epoch": epoch, "next_batch": index + 1})
+        if cfg.method != "full":
+            mdl.save_adapter(model, run_dir / "adapter")
+        checkpoint.atomic_write_json(run_dir / "summary.json", {k: v for k, v in summary.items() if k != "losses"})
+    return summary
+
+
+def _read_metrics(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The metrics rows of a run, for plotting."""
+    return _read_metrics(Path(run_dir) / "metrics.jsonl")
