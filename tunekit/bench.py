@@ -169,12 +169,23 @@ def load_results(*paths: str | Path) -> list[dict]:
 
 def format_table(results: list[dict]) -> str:
     """A markdown table: one row a result."""
-    head = "| name | gpu | tok/s per GPU | step s | peak alloc GB | MFU |\n|---|---|---|---|---|---|"
     def mfu(r: dict) -> str:
         return "" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
 
-    rows = [f"| {r['name']} | {r['gpu']} | {r['tokens_per_s']:,.0f} | {r.get('step_time_s', float('nan')):.3f} | "
-            f"{r['peak_memory_gb']:.2f} | {mfu(r)} |" for r in results]
+    def setup(r: dict) -> str:
+        c = r.get("config", {})
+        parts = [c.get("method", "?"), f"b{c.get('batch_size', '?')}x{c.get('max_length', '?')}"]
+        if c.get("grad_accum", 1) > 1:
+            parts.append(f"accum {c['grad_accum']}")
+        if c.get("grad_ckpt"):
+            parts.append("ckpt")
+        return ", ".join(parts)
+
+    head = ("| name | setup | gpu | tok/s per GPU | step s | peak alloc GB | MFU | date |\n"
+            "|---|---|---|---|---|---|---|---|")
+    rows = [f"| {r['name']} | {setup(r)} | {r['gpu']} | {r['tokens_per_s']:,.0f} | "
+            f"{r.get('step_time_s', float('nan')):.3f} | {r['peak_memory_gb']:.2f} | {mfu(r)} | {r['date'][:10]} |"
+            for r in results]
     return "\n".join([head, *rows])
 
 

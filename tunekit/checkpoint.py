@@ -30,6 +30,12 @@ def _check_writable(path: Path) -> None:
         raise OSError(f"output directory {path} is not writable. Choose another --out-dir or fix its permissions.")
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write `text` to a temp file beside `path`, fsync, then rename over `path`."""
     path = Path(path)
@@ -40,6 +46,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600 files; give the usual permissions
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

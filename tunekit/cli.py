@@ -1,4 +1,4 @@
-"""The `tunekit` command: train, bench, prepare, doctor.
+"""The `tunekit` command: train, bench, prepare, doctor, results.
 
 Every command but doctor takes `--preset NAME` and then any config field as `--field value`
 (`tunekit train --preset tiny --lr 1e-3 --max-steps 20`); unknown fields are rejected.
@@ -33,7 +33,8 @@ def fields_help() -> str:
     lines = ["config fields (override any with --field value; defaults are the tiny preset's):"]
     for name, typ in field_types().items():
         lines.append(f"  --{name.replace('_', '-')} {typ.__name__.upper()} (default {getattr(defaults, name)!r})")
-        lines.append(textwrap.fill(docs.get(name, ""), 100, initial_indent=" " * 6, subsequent_indent=" " * 6))
+        lines.append(textwrap.fill(docs.get(name, ""), 100, initial_indent=" " * 6, subsequent_indent=" " * 6,
+                                   break_on_hyphens=False))
     return "\n".join(lines)
 
 
@@ -55,6 +56,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="tiny", help=f"one of {', '.join(PRESETS)} (default tiny)")
     p.add_argument("--num-proc", type=int, default=None, help="tokenizer processes for datasets.map")
     sub.add_parser("doctor", help="what this machine has: GPU, bf16, optional packages")
+    p = sub.add_parser("results", help="print a markdown table of result JSON files")
+    p.add_argument("paths", nargs="*", help="result files or folders (default notebooks/results)")
     return parser
 
 
@@ -64,6 +67,16 @@ def main(argv: list[str] | None = None) -> int:
         from tunekit.doctor import main as doctor
 
         return doctor()
+    if args.command == "results":
+        from tunekit.bench import format_table, load_results
+        from tunekit.notebook import RESULTS
+
+        try:
+            print(format_table(load_results(*(args.paths or [RESULTS]))))
+        except (ValueError, OSError) as e:
+            print(f"tunekit results: error: {e}", file=sys.stderr)
+            return 2
+        return 0
     try:
         cfg = resolve(args.preset, rest)
         if args.command == "train":

@@ -160,10 +160,10 @@ def tiny(**overrides) -> TuneConfig:
 def _llama7b(**kw) -> dict:
     # The Llama-2-7B shape: 6.74 B parameters. With `model` empty the weights are random: speed and
     # memory are the same as with the real weights; the loss means nothing.
-    return dict(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=32, intermediate_size=11008,
-                vocab_size=32000, tokenizer_vocab=32000, max_length=2048, batch_size=4, lr=2e-4,
-                warmup_steps=20, max_steps=200, save_every=100, log_every=1, num_workers=2,
-                data="gsm8k", **kw)
+    return {**dict(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=32, intermediate_size=11008,
+                   vocab_size=32000, tokenizer_vocab=32000, max_length=2048, batch_size=4, lr=2e-4,
+                   warmup_steps=20, max_steps=200, save_every=100, log_every=1, num_workers=2,
+                   data="gsm8k"), **kw}
 
 
 def llama7b_lora(**overrides) -> TuneConfig:
@@ -269,10 +269,21 @@ def load_config(path: str | os.PathLike) -> TuneConfig:
         raise ConfigError(f"{path}: no config file there") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: line {e.lineno}: not valid JSON ({e.msg})") from None
-    unknown = set(raw) - set(field_types())
+    types = field_types()
+    unknown = set(raw) - set(types)
     if unknown:
         raise ConfigError(f"{path}: unknown config fields {sorted(unknown)}")
-    return TuneConfig(**raw)
+    for name, value in raw.items():
+        typ = types[name]
+        ok = isinstance(value, typ) and not (typ is int and isinstance(value, bool))
+        if typ is float and isinstance(value, int) and not isinstance(value, bool):
+            raw[name], ok = float(value), True
+        if not ok:
+            raise ConfigError(f"{path}: field '{name}' = {value!r}: expected {typ.__name__}")
+    try:
+        return TuneConfig(**raw)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
 
 
 def smoke_mode() -> bool:

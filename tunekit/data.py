@@ -95,7 +95,7 @@ def load_records(source: str):
         return datasets.load_from_disk(str(path))
     suffix = path.suffix.lower()
     if not path.exists():
-        if suffix or os.sep in source or "/" not in source:
+        if suffix or source.startswith((".", "/", "~")) or source.count("/") != 1:
             raise DataError(f"data file not found: {source} (looked in {Path.cwd()} and {REPO_ROOT}). "
                             "Pass --data with a JSONL/JSON/parquet/text file or a dataset name.")
         return datasets.load_dataset(source, split="train")  # a hub name like "org/name"
@@ -145,17 +145,24 @@ def format_prompt(rec: dict, prompt_fields: tuple[str, ...]) -> str:
 # ---- tokenization ----------------------------------------------------------------------------------
 
 
-def tokenize_batch(batch: dict, tokenizer, max_length: int, prompt_fields, response_field) -> dict:
-    """Encode a batch of records: BOS + prompt + response + EOS, labels = ids with the prompt masked."""
+def tokenize_batch(batch: dict, tokenizer, max_length: int, prompt_fields, response_field,
+                   source: str = "dataset") -> dict:
+    """Encode a batch of records: BOS + prompt + response + EOS, labels = ids with the prompt masked.
+
+    Errors name `source` and the record's 1-based position (its line in a JSONL file without blank lines)."""
     n = len(batch[response_field])
     out = {"input_ids": [], "labels": [], "length": [], "truncated": []}
     for i in range(n):
         rec = {k: batch[k][i] for k in batch}
+        where = f"{source}: record {rec.get('_row', 0) + 1}"
+        for name in (*prompt_fields[:1], response_field):
+            value = rec.get(name)
+            if value is None:
+                have = sorted(k for k, v in rec.items() if v is not None and k != "_row")
+                raise DataError(f"{where}: missing field '{name}' (it has {have}). Fix or remove the record.")
+            if not isinstance(value, str) or not value.strip():
+                raise DataError(f"{where}: empty '{name}'. Fill or remove the record.")
         prompt, response = format_prompt(rec, prompt_fields), rec[response_field]
-        if not isinstance(response, str) or not response.strip():
-            raise DataError(f"record {rec.get('_row', '?')}: empty '{response_field}'. Remove or fill the record.")
-        if prompt_fields and not prompt.strip():
-            raise DataError(f"record {rec.get('_row', '?')}: empty '{prompt_fields[0]}'. Remove or fill the record.")
         p_ids = [tokenizer.bos_token_id] + tokenizer(prompt, add_special_tokens=False)["input_ids"] if prompt else \
             [tokenizer.bos_token_id]
         r_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
@@ -168,14 +175,14 @@ def tokenize_batch(batch: dict, tokenizer, max_length: int, prompt_fields, respo
     return out
 
 
-def tokenize_dataset(ds, tokenizer, max_length: int, num_proc: int | None = None):
+def tokenize_dataset(ds, tokenizer, max_length: int, num_proc: int | None = None, source: str = "dataset"):
     """Offline tokenization with `datasets.map(batched=True)`. Returns (dataset, stats)."""
-    prompt_fields, response_field = detect_layout(ds.column_names)
+    prompt_fields, response_field = detect_layout(ds.column_names, source)
     ds = ds.add_column("_row", list(range(len(ds))))
     tok = ds.map(tokenize_batch, batched=True, num_proc=num_proc if num_proc and num_proc > 1 else None,
                  remove_columns=ds.column_names, desc="tokenize",
                  fn_kwargs=dict(tokenizer=tokenizer, max_length=max_length, prompt_fields=prompt_fields,
-                                response_field=response_field))
+                                response_field=response_field, source=source))
     truncated = sum(tok["truncated"])
     tok = tok.remove_columns("truncated")
     stats = {"samples": len(tok), "tokens": sum(tok["length"]), "truncated": truncated, "max_length": max_length}
@@ -240,6 +247,10 @@ def build_dataloader(ds, batch_size: int, pad_id: int, seed: int = 0, epoch: int
         pin_memory = torch.cuda.is_available()
     sampler = EpochSampler(len(ds), seed, epoch, start_batch * batch_size)
     extra = dict(persistent_workers=False, prefetch_factor=4) if num_workers > 0 else {}
+    # Its own generator: otherwise each new iterator draws a seed from the global RNG, and a resumed run
+    # (which makes one more iterator than an uninterrupted one) would see different dropout masks.
+    generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
     return torch.utils.data.DataLoader(ds.with_format(columns=["input_ids", "labels"]), batch_size=batch_size,
                                        sampler=sampler, collate_fn=Collator(pad_id), drop_last=True,
-                                       num_workers=num_workers, pin_memory=pin_memory, **extra)
+                                       num_workers=num_workers, pin_memory=pin_memory, generator=generator,
+                                       **extra)

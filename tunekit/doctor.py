@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import platform
 
 import torch
@@ -11,9 +12,12 @@ import torch
 def _try_import(name: str) -> tuple[bool, str]:
     try:
         mod = importlib.import_module(name)
-        return True, getattr(mod, "__version__", "?")
     except Exception as e:  # a broken install raises more than ImportError (missing CUDA libs, ABI errors)
         return False, f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+    try:
+        return True, importlib.metadata.version(name.replace("_", "-"))
+    except importlib.metadata.PackageNotFoundError:
+        return True, getattr(mod, "__version__", "installed")
 
 
 def bitsandbytes_status() -> tuple[bool, str]:

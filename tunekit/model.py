@@ -194,7 +194,8 @@ def count_parameters(model) -> tuple[int, int]:
 
 
 def save_adapter(model, path: str | os.PathLike) -> Path:
-    """Save a PEFT adapter (adapter_config.json + adapter_model.safetensors) atomically."""
+    """Save a PEFT adapter (adapter_config.json + adapter_model.safetensors) atomically; given a plain
+    model, save the whole model the same way."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -209,4 +210,6 @@ def load_adapter(base_model, path: str | os.PathLike, trainable: bool = False):
     """Attach a saved PEFT adapter to `base_model`."""
     from peft import PeftModel
 
-    return PeftModel.from_pretrained(base_model, str(path), is_trainable=trainable)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return PeftModel.from_pretrained(base_model, str(path), is_trainable=trainable)

@@ -38,11 +38,14 @@ def resolve_runtime(cfg: TuneConfig) -> tuple[str, torch.dtype]:
     if device != "cuda" and cfg.preset in GPU_PRESETS and not cfg.model:
         raise RuntimeError(f"preset {cfg.preset!r} builds a 6.7B-parameter model and needs a CUDA GPU, "
                            "but none is visible (run `tunekit doctor`). On this machine use --preset tiny.")
+    if cfg.method == "qlora" and device != "cuda":
+        raise RuntimeError("method=qlora needs a CUDA GPU: bitsandbytes 4-bit kernels run on GPUs only. "
+                           "Use --method lora (or full) on CPU.")
     return device, mdl.resolve_dtype(cfg.dtype, device)
 
 
-def training_texts(ds) -> list[str]:
-    prompt_fields, response = data.detect_layout(ds.column_names)
+def training_texts(ds, source: str = "dataset") -> list[str]:
+    prompt_fields, response = data.detect_layout(ds.column_names, source)
     return [data.format_prompt(r, prompt_fields) + r[response] for r in ds
             if isinstance(r.get(response), str)]
 
@@ -51,7 +54,7 @@ def build_tokenizer(cfg: TuneConfig, records=None):
     if cfg.tokenizer or cfg.model:
         return mdl.load_tokenizer(cfg.tokenizer or cfg.model)
     records = records if records is not None else data.load_records(cfg.data)
-    return mdl.train_tokenizer(training_texts(records), cfg.tokenizer_vocab)
+    return mdl.train_tokenizer(training_texts(records, cfg.data), cfg.tokenizer_vocab)
 
 
 def prepare(cfg: TuneConfig, num_proc: int | None = None, verbose: bool = True):
@@ -78,7 +81,7 @@ def prepare(cfg: TuneConfig, num_proc: int | None = None, verbose: bool = True):
         datasets.disable_progress_bars()
     records = data.load_records(cfg.data)
     tokenizer = build_tokenizer(cfg, records)
-    ds, stats = data.tokenize_dataset(records, tokenizer, cfg.max_length, num_proc=num_proc)
+    ds, stats = data.tokenize_dataset(records, tokenizer, cfg.max_length, num_proc=num_proc, source=cfg.data)
     stats["key"] = key
     out.mkdir(parents=True, exist_ok=True)
     data.save_dataset(ds, out / "dataset")
@@ -221,6 +224,10 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
     if ckpt is None:
         metrics_file.write_text("")
     index = start_batch - 1
+    if step >= cfg.max_steps:
+        if progress:
+            print(f"nothing to do: {run_dir} already ran {step} of {cfg.max_steps} steps")
+        return {"steps": step, "losses": [], "final_loss": None, "data": stats, "run_dir": str(run_dir)}
 
     stream = batches_from(ds, cfg, tokenizer.pad_token_id, epoch, start_batch)
     bar = tqdm(total=cfg.max_steps, initial=step, disable=not progress, desc="train")
@@ -261,8 +268,8 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
     if step >= cfg.max_steps:
         checkpoint.save_checkpoint(run_dir, step, model, optimizer, scheduler,
                                    {"epoch": epoch, "next_batch": index + 1})
-        if cfg.method != "full":
-            mdl.save_adapter(model, run_dir / "adapter")
+        # LoRA: the PEFT adapter folder; full fine-tuning: the whole model, loadable with from_pretrained.
+        mdl.save_adapter(model, run_dir / ("adapter" if cfg.method != "full" else "model"))
         checkpoint.atomic_write_json(run_dir / "summary.json", {k: v for k, v in summary.items() if k != "losses"})
     return summary
 

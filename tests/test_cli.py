@@ -1,0 +1,163 @@
+"""The `tunekit` command: help texts, one real run of each subcommand, and exit code 2 on bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+from helpers import SMALL_ARCH_ARGS
+
+from tunekit import cli
+from tunekit.config import REPO_ROOT, TuneConfig
+
+SUBCOMMANDS = ["train", "bench", "prepare", "doctor"]
+
+
+def run_main(argv: list[str]) -> int:
+    """`cli.main(argv)`'s exit code, whether it returns it or raises SystemExit (argparse does for --help)."""
+    try:
+        return cli.main(argv)
+    except SystemExit as e:
+        return e.code
+
+
+def small_args(tmp_path, data, *extra: str) -> list[str]:
+    return ["--preset", "tiny", "--out-dir", str(tmp_path / "run"), "--data", str(data), "--batch-size", "8",
+            "--max-length", "64", *SMALL_ARCH_ARGS, *extra]
+
+
+# ---- help ----------------------------------------------------------------------------------------
+
+
+def test_top_level_help(capsys):
+    assert run_main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name in SUBCOMMANDS:
+        assert name in out
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS)
+def test_subcommand_help(command, capsys):
+    assert run_main([command, "--help"]) == 0
+    assert f"tunekit {command}" in capsys.readouterr().out
+
+
+def test_train_help_lists_fields_with_docs(capsys):
+    assert run_main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    flat = "".join(out.split())  # help wraps lines (also at hyphens): compare with whitespace removed
+    docs = cli.field_docs()
+    for f in dataclasses.fields(TuneConfig):
+        flag = "--" + f.name.replace("_", "-")
+        assert flag in out, flag
+        assert docs.get(f.name), f"TuneConfig.{f.name} has no docstring"
+        assert "".join(docs[f.name].split()) in flat, f.name
+    assert "Optimizer steps to run." in out and f"--max-steps INT (default {TuneConfig().max_steps})" in out
+
+
+def test_help_via_subprocess():
+    proc = subprocess.run([sys.executable, "-m", "tunekit.cli", "--help"], capture_output=True, text=True,
+                          timeout=120, cwd=REPO_ROOT, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "train" in proc.stdout and "doctor" in proc.stdout
+
+
+@pytest.mark.skipif(shutil.which("tunekit") is None, reason="the tunekit console script is not on PATH")
+def test_console_script():
+    proc = subprocess.run(["tunekit", "train", "--help"], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0 and "--max-steps" in proc.stdout
+
+
+# ---- real runs -----------------------------------------------------------------------------------
+
+
+def test_train(tmp_path, small_data, capsys):
+    assert run_main(["train", *small_args(tmp_path, small_data, "--max-steps", "3", "--lr=1e-3")]) == 0
+    run = tmp_path / "run"
+    for name in ("config.json", "metrics.jsonl", "summary.json", "adapter/adapter_config.json",
+                 "adapter/adapter_model.safetensors"):
+        assert (run / name).exists(), name
+    saved = json.loads((run / "config.json").read_text())
+    assert (saved["max_steps"], saved["lr"], saved["hidden_size"]) == (3, 1e-3, 64)
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 3
+    out = capsys.readouterr().out
+    assert "done: 3 steps" in out and str(run) in out
+    # --resume after a finished run: nothing left to do, and it says so.
+    assert run_main(["train", "--resume", *small_args(tmp_path, small_data, "--max-steps", "3")]) == 0
+    assert "nothing to do" in capsys.readouterr().out
+
+
+def test_bench(tmp_path, small_data, capsys):
+    out = tmp_path / "results" / "mine.json"
+    argv = ["bench", *small_args(tmp_path, small_data, "--bench-warmup", "1", "--bench-steps", "2"),
+            "--name", "cli-tiny", "--out", str(out)]
+    assert run_main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["name"] == "cli-tiny" and result["tokens_per_s"] > 0 and len(result["step_times_s"]) == 2
+    assert str(out) in capsys.readouterr().out
+    # ...and `results` reads it back into a table.
+    if "results" in cli.make_parser()._subparsers._group_actions[0].choices:
+        assert run_main(["results", str(out.parent)]) == 0
+        assert "cli-tiny" in capsys.readouterr().out
+
+
+def test_prepare(tmp_path, small_data, capsys):
+    assert run_main(["prepare", *small_args(tmp_path, small_data)]) == 0
+    prepared = tmp_path / "run" / "prepared"
+    stats = json.loads((prepared / "stats.json").read_text())
+    assert stats["samples"] == 64 and stats["max_length"] == 64
+    assert (prepared / "dataset").is_dir() and (prepared / "tokenizer").is_dir()
+    assert "64 samples" in capsys.readouterr().out
+
+
+def test_doctor(capsys):
+    assert run_main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "torch" in out and "transformers" in out and "python" in out
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["train", "--preset", "nope"], "unknown preset 'nope'"),
+    (["train", "--bogus", "1"], "--bogus"),
+    (["train", "--batch-size", "abc"], "--batch-size"),
+    (["bench", "--lr", "0"], "'lr'"),
+    (["prepare", "--method", "bogus"], "'method'"),
+    (["train", "--data", "/nonexistent.jsonl"], "/nonexistent.jsonl"),
+])
+def test_bad_input_exits_2_with_message(argv, expected, tmp_path, capsys):
+    argv = [*argv, "--out-dir", str(tmp_path / "run"), *SMALL_ARCH_ARGS]
+    assert run_main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"tunekit {argv[0]}: error:" in err
+    assert expected in err
+
+
+def test_unwritable_out_dir_exits_2(tmp_path, small_data, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert run_main(["train", "--out-dir", str(blocker / "run"), "--data", str(small_data)]) == 2
+    assert str(blocker / "run") in capsys.readouterr().err
+
+
+def test_bad_data_file_exits_2_naming_line(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "1+1?", "answer": "2"}\n{"question": \n')
+    assert run_main(["prepare", "--out-dir", str(tmp_path / "run"), "--data", str(bad)]) == 2
+    assert f"{bad}:2:" in capsys.readouterr().err
+
+
+def test_unknown_subcommand_is_a_usage_error(capsys):
+    assert run_main(["fly"]) == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_results_missing_path_exits_2(tmp_path, capsys):
+    assert run_main(["results", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json" in capsys.readouterr().err

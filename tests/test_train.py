@@ -1,0 +1,501 @@
+"""Training: accumulation equals one big batch, the no-mask claim, a loss that falls, exact resume,
+atomic checkpoints, adapter round trip, and clear errors for bad setups."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from helpers import SMALL_ARCH, SMALL_ARCH_ARGS, gpu, write_jsonl
+
+from tunekit import checkpoint, config, data, train
+from tunekit import model as mdl
+from tunekit.config import REPO_ROOT
+
+# ---- helpers -------------------------------------------------------------------------------------
+
+
+def tiny_model(vocab: int, method: str = "full", seed: int = 0, attention: str = "sdpa"):
+    """A random-init fp32 model; for LoRA the B matrices are randomised so every adapter weight gets a
+    gradient (peft initialises B to zero, which would make A's gradients trivially zero)."""
+    model = mdl.build_model(mdl.llama_config(vocab_size=vocab, **SMALL_ARCH), attention=attention, seed=seed)
+    if method == "lora":
+        torch.manual_seed(seed + 1)
+        model = mdl.apply_lora(model, r=4, alpha=8)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.02)
+    return model
+
+
+@pytest.fixture(scope="module")
+def samples(tokenizer, small_data):
+    ds, _ = data.tokenize_dataset(data.load_records(str(small_data)), tokenizer, 128)
+    return [ds[i] for i in range(len(ds))]
+
+
+def eight_of_varied_length(samples) -> list[dict]:
+    """8 samples whose lengths differ, so micro-batches of 2 pad to other widths than the batch of 8."""
+    by_len = sorted(samples, key=lambda s: len(s["input_ids"]))
+    step = len(by_len) // 8
+    chosen = [by_len[i * step] for i in range(8)]
+    lengths = [len(s["input_ids"]) for s in chosen]
+    assert max(lengths) - min(lengths) >= 8, lengths
+    return chosen
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def losses(run_dir) -> list[float]:
+    return [r["loss"] for r in train.read_metrics(run_dir)]
+
+
+# ---- gradient accumulation -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_accumulation_equals_one_big_batch(method, samples, tokenizer):
+    chosen = eight_of_varied_length(samples)
+    collate = data.Collator(tokenizer.pad_token_id)
+    big = collate(chosen)
+    micro = [collate(chosen[i:i + 2]) for i in range(0, 8, 2)]
+    assert any(m["input_ids"].shape[1] < big["input_ids"].shape[1] for m in micro)
+    n_targets = train.count_targets(micro)
+    assert n_targets == train.count_targets([big])
+    assert n_targets == sum(sum(t != data.IGNORE for t in s["labels"][1:]) for s in chosen)
+
+    one = tiny_model(len(tokenizer), method)
+    loss_one = train.micro_step(one, big, n_targets, None)
+    many = tiny_model(len(tokenizer), method)
+    loss_many = sum(train.micro_step(many, b, n_targets, None) for b in micro)
+
+    torch.testing.assert_close(loss_many, loss_one, rtol=1e-5, atol=1e-6)
+    g_one, g_many = grads(one), grads(many)
+    assert g_one.keys() == g_many.keys() and len(g_one) > 0
+    for name in g_one:
+        assert g_one[name].abs().sum() > 0, f"{name} has no gradient"
+        torch.testing.assert_close(g_many[name], g_one[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_train_step_accumulated_matches_big_batch(samples, tokenizer):
+    """Through `train_step`: same loss, same gradient norm, same update (SGD, lr 1, no clipping)."""
+    chosen = eight_of_varied_length(samples)
+    collate = data.Collator(tokenizer.pad_token_id)
+    results, params = [], []
+    for batches in ([collate(chosen)], [collate(chosen[i:i + 2]) for i in range(0, 8, 2)]):
+        model = tiny_model(len(tokenizer))
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        sched = train.build_scheduler(opt, warmup_steps=0, max_steps=10, min_lr_ratio=1.0)
+        results.append(train.train_step(model, batches, opt, sched, max_grad_norm=0.0, autocast_dtype=None))
+        after = dict(model.named_parameters())
+        assert all(p.grad is None for p in after.values()), "train_step must zero the gradients"
+        params.append({n: before[n] - after[n].detach() for n in before})
+    one, many = results
+    assert one["targets"] == many["targets"]
+    torch.testing.assert_close(many["loss"], one["loss"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(many["grad_norm"], one["grad_norm"], rtol=1e-4, atol=1e-6)
+    for name in params[0]:
+        assert params[0][name].abs().sum() > 0
+        torch.testing.assert_close(params[1][name], params[0][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_grad_clipping_bounds_the_norm(samples, tokenizer):
+    model = tiny_model(len(tokenizer))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    sched = train.build_scheduler(opt, 0, 10, 1.0)
+    batch = data.Collator(tokenizer.pad_token_id)(samples[:4])
+    out = train.train_step(model, [batch], opt, sched, max_grad_norm=1e-3, autocast_dtype=None)
+    assert out["grad_norm"] > 1e-3  # the norm before clipping is reported
+
+
+# ---- the no-attention-mask claim -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_right_padding_needs_no_attention_mask(attention, samples, tokenizer):
+    batch = data.Collator(tokenizer.pad_token_id)(eight_of_varied_length(samples))
+    mask = batch["attention_mask"]
+    assert (mask == 0).any(), "the batch must contain padding"
+    model = tiny_model(len(tokenizer), attention=attention).eval()
+    with torch.no_grad():
+        plain = model(input_ids=batch["input_ids"]).logits
+        masked = model(input_ids=batch["input_ids"], attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(plain[real], masked[real], rtol=1e-5, atol=1e-5)
+
+
+# ---- learning rate schedule ----------------------------------------------------------------------
+
+
+def test_scheduler_warms_up_then_decays_to_min():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
+    sched = train.build_scheduler(opt, warmup_steps=4, max_steps=20, min_lr_ratio=0.1)
+    lrs = []
+    for _ in range(25):
+        lrs.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    assert lrs[:4] == pytest.approx([0.5, 1.0, 1.5, 2.0])
+    assert all(a >= b for a, b in itertools.pairwise(lrs[4:])), "cosine must not increase"
+    assert lrs[20] == pytest.approx(0.2) and lrs[24] == pytest.approx(0.2)
+
+
+# ---- a real run ----------------------------------------------------------------------------------
+
+
+def test_tiny_run_loss_falls(make_cfg):
+    # LoRA on a random-init base learns slowly (the base knows nothing): 60 steps fall ~8%.
+    steps = 60
+    cfg = make_cfg(max_steps=steps, warmup_steps=5, lr=3e-3)
+    summary = train.train(cfg, progress=False)
+    rows = train.read_metrics(cfg.run_dir())
+    assert summary["steps"] == steps and [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert [r["loss"] for r in rows] == pytest.approx(summary["losses"], abs=1e-5)
+    first, last5 = rows[0]["loss"], sum(r["loss"] for r in rows[-5:]) / 5
+    assert last5 < 0.95 * first, (first, last5)
+    assert last5 < sum(r["loss"] for r in rows[5:10]) / 5
+    # The schedule in the metrics: peak after warm-up, min_lr_ratio * lr at the end.
+    assert max(r["lr"] for r in rows) == pytest.approx(cfg.lr)
+    assert rows[-1]["lr"] == pytest.approx(cfg.lr * cfg.min_lr_ratio)
+    assert all(r["tok_per_s"] > 0 and r["grad_norm"] > 0 for r in rows)
+    run = cfg.run_dir()
+    for name in ("config.json", "metrics.jsonl", "summary.json", "adapter/adapter_config.json", "prepared/stats.json"):
+        assert (run / name).exists(), name
+    assert config.load_config(run / "config.json") == cfg
+    saved = json.loads((run / "summary.json").read_text())
+    assert saved["steps"] == steps and saved["final_loss"] == pytest.approx(last5, rel=0.1)
+    assert saved["data"]["samples"] == 64
+
+
+def test_prepare_is_reused(make_cfg, capsys):
+    cfg = make_cfg()
+    _, ds1, stats1 = train.prepare(cfg)
+    first = (cfg.run_dir() / "prepared" / "stats.json").stat().st_mtime_ns
+    _, ds2, stats2 = train.prepare(cfg)
+    assert "reusing" in capsys.readouterr().out
+    assert (cfg.run_dir() / "prepared" / "stats.json").stat().st_mtime_ns == first
+    assert stats1 == stats2 and ds1["input_ids"] == ds2["input_ids"]
+    # Another max_length is another key: tokenized again.
+    _, _, stats3 = train.prepare(config.tiny(**{**config.config_dict(cfg), "max_length": 16}), verbose=False)
+    assert stats3["key"] != stats1["key"] and stats3["truncated"] > 0
+
+
+def test_log_every_and_grad_accum(make_cfg):
+    cfg = make_cfg(max_steps=5, log_every=2, grad_accum=2, batch_size=4)
+    summary = train.train(cfg, progress=False)
+    assert [r["step"] for r in train.read_metrics(cfg.run_dir())] == [2, 4, 5]  # and always the last step
+    assert len(summary["losses"]) == 5
+
+
+# ---- kill and resume -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method, grad_accum, stop_after", [
+    ("lora", 1, 7),   # checkpoint at step 4, mid-epoch
+    ("full", 2, 9),   # checkpoint at step 8 = the end of epoch 2 (4 steps an epoch)
+])
+def test_resume_matches_uninterrupted_run(make_cfg, method, grad_accum, stop_after):
+    kw = dict(max_steps=12, save_every=4, method=method, grad_accum=grad_accum, batch_size=16 // (2 * grad_accum))
+    a, b = make_cfg("a", **kw), make_cfg("b", **kw)
+    train.train(a, progress=False)
+
+    part = train.train(b, stop_after=stop_after, progress=False)
+    assert part["steps"] == stop_after
+    assert len(train.read_metrics(b.run_dir())) == stop_after
+    assert not (b.run_dir() / "summary.json").exists()
+    saved_step = stop_after // 4 * 4
+    assert checkpoint.latest_checkpoint(b.run_dir()).name == f"ckpt-{saved_step:07d}"
+
+    rest = train.train(b, resume=True, progress=False)
+    assert rest["steps"] == 12 and len(rest["losses"]) == 12 - saved_step
+    rows_a, rows_b = train.read_metrics(a.run_dir()), train.read_metrics(b.run_dir())
+    assert [r["step"] for r in rows_b] == list(range(1, 13)), "rows after the checkpoint must be rewritten"
+    assert [r["loss"] for r in rows_b] == pytest.approx([r["loss"] for r in rows_a], abs=1e-5)
+    assert [r["lr"] for r in rows_b] == pytest.approx([r["lr"] for r in rows_a], rel=1e-6)
+    assert [r["epoch"] for r in rows_b] == [r["epoch"] for r in rows_a]
+    final_a = torch.load(a.run_dir() / "ckpt-0000012" / "trainable.pt", weights_only=True)
+    final_b = torch.load(b.run_dir() / "ckpt-0000012" / "trainable.pt", weights_only=True)
+    for name in final_a:
+        torch.testing.assert_close(final_b[name], final_a[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_resume_is_exact_with_dropout(make_cfg):
+    kw = dict(max_steps=10, save_every=4, lora_dropout=0.1)
+    a, b = make_cfg("a", **kw), make_cfg("b", **kw)
+    train.train(a, progress=False)
+    train.train(b, stop_after=6, progress=False)
+    train.train(b, resume=True, progress=False)
+    assert losses(b.run_dir()) == pytest.approx(losses(a.run_dir()), abs=1e-5)
+
+
+def test_resume_of_finished_run_keeps_its_summary(make_cfg):
+    cfg = make_cfg(max_steps=3)
+    train.train(cfg, progress=False)
+    before = json.loads((cfg.run_dir() / "summary.json").read_text())
+    assert train.train(cfg, resume=True, progress=False)["steps"] == 3
+    assert json.loads((cfg.run_dir() / "summary.json").read_text()) == before
+
+
+def test_resume_without_checkpoint_starts_fresh(make_cfg, capsys):
+    cfg = make_cfg(max_steps=3)
+    summary = train.train(cfg, resume=True)
+    assert summary["steps"] == 3 and "no checkpoint" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume(make_cfg, tmp_path):
+    """Kill -9 a real CLI run right after its first checkpoint; resuming in-process matches a clean run."""
+    kw = dict(max_steps=1000, save_every=2)  # far more steps than run before the kill
+    killed, clean = make_cfg("killed", **kw), make_cfg("clean", **kw)
+    cmd = [sys.executable, "-m", "tunekit.cli", "train", "--preset", "tiny", "--out-dir", killed.out_dir,
+           "--data", killed.data, "--max-steps", "1000", "--save-every", "2", "--batch-size", "8",
+           "--max-length", "128", "--warmup-steps", "2", *SMALL_ARCH_ARGS]
+    log = tmp_path / "stderr.txt"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        deadline = time.monotonic() + 120
+        while not (killed.run_dir() / checkpoint.LATEST).exists():
+            assert proc.poll() is None, f"the run ended early:\n{log.read_text()[-2000:]}"
+            assert time.monotonic() < deadline, "no checkpoint after 120 s"
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+
+    assert config.load_config(killed.run_dir() / "config.json") == killed, "the CLI resolved another config"
+    ckpt = checkpoint.latest_checkpoint(killed.run_dir())
+    step = json.loads((ckpt / "meta.json").read_text())["step"]
+    stop = step + 3
+    train.train(killed, resume=True, stop_after=stop, progress=False)
+    train.train(clean, stop_after=stop, progress=False)
+    rows = train.read_metrics(killed.run_dir())
+    assert [r["step"] for r in rows] == list(range(1, stop + 1))
+    assert losses(killed.run_dir()) == pytest.approx(losses(clean.run_dir()), abs=1e-5)
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+
+
+def _ckpt_parts(tokenizer):
+    model = tiny_model(len(tokenizer), "lora")
+    opt = train.build_optimizer(model, 1e-3, 0.0, "cpu")
+    sched = train.build_scheduler(opt, 2, 10, 0.1)
+    return model, opt, sched
+
+
+def test_checkpoint_is_atomic_and_pruned(tmp_path, tokenizer):
+    model, opt, sched = _ckpt_parts(tokenizer)
+    run = tmp_path / "run"
+    for step in (2, 4, 6):
+        path = checkpoint.save_checkpoint(run, step, model, opt, sched, {"epoch": 0, "next_batch": step})
+        assert not list(run.glob(".ckpt-*.tmp")), "a temp folder was left behind"
+        assert (run / checkpoint.LATEST).read_text().strip() == path.name
+        assert checkpoint.latest_checkpoint(run) == path
+        for part in ("trainable.pt", "state.pt", "meta.json", "adapter/adapter_config.json"):
+            assert (path / part).exists(), part
+        assert json.loads((path / "meta.json").read_text()) == {"step": step, "data": {"epoch": 0, "next_batch": step}}
+    assert sorted(p.name for p in run.glob("ckpt-*")) == ["ckpt-0000004", "ckpt-0000006"]  # keep=2
+    assert not list(run.glob(".*.tmp"))
+
+
+def test_crash_during_save_keeps_previous_checkpoint(tmp_path, tokenizer, monkeypatch):
+    model, opt, sched = _ckpt_parts(tokenizer)
+    run = tmp_path / "run"
+    good = checkpoint.save_checkpoint(run, 2, model, opt, sched, {"epoch": 0, "next_batch": 2})
+    real_save = torch.save
+
+    def dying_save(obj, f, *a, **k):
+        if str(f).endswith("state.pt"):
+            raise KeyboardInterrupt("killed mid-save")
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save_checkpoint(run, 4, model, opt, sched, {"epoch": 0, "next_batch": 4})
+    monkeypatch.undo()
+    assert checkpoint.latest_checkpoint(run) == good
+    assert not (run / "ckpt-0000004").exists()
+    fresh, opt2, sched2 = _ckpt_parts(tokenizer)
+    assert checkpoint.load_checkpoint(good, fresh, opt2, sched2) == {"step": 2, "data": {"epoch": 0, "next_batch": 2}}
+    # The next successful save clears the half-written folder.
+    checkpoint.save_checkpoint(run, 4, model, opt, sched, {"epoch": 0, "next_batch": 4})
+    assert not list(run.glob(".ckpt-*.tmp"))
+
+
+def test_checkpoint_restores_weights_optimizer_and_rng(tmp_path, tokenizer, samples):
+    model, opt, sched = _ckpt_parts(tokenizer)
+    batch = data.Collator(tokenizer.pad_token_id)(samples[:4])
+    train.train_step(model, [batch], opt, sched, 1.0, None)
+    torch.manual_seed(123)
+    path = checkpoint.save_checkpoint(tmp_path, 1, model, opt, sched, {"epoch": 0, "next_batch": 1})
+    expected_draw = torch.rand(3)
+
+    fresh, opt2, sched2 = _ckpt_parts(tokenizer)
+    checkpoint.load_checkpoint(path, fresh, opt2, sched2)
+    torch.testing.assert_close(torch.rand(3), expected_draw)
+    trained = checkpoint.trainable_state_dict(model)
+    for n, t in checkpoint.trainable_state_dict(fresh).items():
+        assert torch.equal(t, trained[n]), n
+    assert sched2.state_dict()["last_epoch"] == 1
+    assert opt2.state_dict()["state"].keys() == opt.state_dict()["state"].keys()
+
+
+def test_checkpoint_from_another_model_is_refused(tmp_path, tokenizer):
+    model, opt, sched = _ckpt_parts(tokenizer)
+    path = checkpoint.save_checkpoint(tmp_path, 1, model, opt, sched, {"epoch": 0, "next_batch": 1})
+    other = tiny_model(len(tokenizer), "full")
+    opt2 = train.build_optimizer(other, 1e-3, 0.0, "cpu")
+    with pytest.raises(ValueError, match="lacks"):
+        checkpoint.load_checkpoint(path, other, opt2, train.build_scheduler(opt2, 2, 10, 0.1))
+
+
+def test_latest_pointing_at_missing_folder(tmp_path, make_cfg):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / checkpoint.LATEST).write_text("ckpt-0000099\n")
+    with pytest.raises(FileNotFoundError) as e:
+        checkpoint.latest_checkpoint(run)
+    assert "ckpt-0000099" in str(e.value) and "latest" in str(e.value)
+    with pytest.raises(FileNotFoundError, match="ckpt-0000099"):
+        train.train(make_cfg(), resume=True, progress=False)
+    assert checkpoint.latest_checkpoint(tmp_path / "empty") is None
+
+
+def test_atomic_write_text(tmp_path):
+    path = tmp_path / "deep" / "file.txt"
+    checkpoint.atomic_write_text(path, "one")
+    checkpoint.atomic_write_text(path, "two")
+    assert path.read_text() == "two"
+    assert [p.name for p in path.parent.iterdir()] == ["file.txt"]
+
+
+def test_atomic_write_gives_normal_permissions(tmp_path):
+    plain, atomic = tmp_path / "plain.txt", tmp_path / "atomic.txt"
+    plain.write_text("x")
+    checkpoint.atomic_write_text(atomic, "x")
+    assert oct(atomic.stat().st_mode & 0o777) == oct(plain.stat().st_mode & 0o777)
+
+
+# ---- adapters ------------------------------------------------------------------------------------
+
+
+def test_adapter_save_load_gives_same_logits(tmp_path, tokenizer, samples):
+    ids = data.Collator(tokenizer.pad_token_id)(samples[:3])["input_ids"]
+    tuned = tiny_model(len(tokenizer), "lora", seed=5).eval()
+    with torch.no_grad():
+        expected = tuned(input_ids=ids).logits
+    path = mdl.save_adapter(tuned, tmp_path / "adapter")
+    mdl.save_adapter(tuned, tmp_path / "adapter")  # over an existing one
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]
+    assert (path / "adapter_config.json").exists() and (path / "adapter_model.safetensors").exists()
+
+    base = mdl.build_model(mdl.llama_config(vocab_size=len(tokenizer), **SMALL_ARCH), seed=5).eval()
+    with torch.no_grad():
+        plain = base(input_ids=ids).logits
+    assert not torch.allclose(plain, expected, atol=1e-4), "the adapter must change the logits"
+    loaded = mdl.load_adapter(base, path).eval()
+    with torch.no_grad():
+        got = loaded(input_ids=ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    trainable, total = mdl.count_parameters(loaded)
+    assert trainable == 0 and total > 0  # loaded for inference by default
+
+
+def test_lora_trains_only_adapters(tokenizer):
+    model = tiny_model(len(tokenizer), "lora")
+    trainable, total = mdl.count_parameters(model)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert names and all("lora_" in n for n in names)
+    assert trainable == sum(p.numel() for p in model.parameters() if p.requires_grad) and trainable < total / 5
+    # all-linear: every projection of every block, not the LM head
+    wrapped = {n.split(".lora_A")[0].rsplit(".", 1)[-1] for n in names if "lora_A" in n}
+    assert wrapped == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
+# ---- bad setups ----------------------------------------------------------------------------------
+
+
+def test_unwritable_out_dir(tmp_path, small_data):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    out = blocker / "run"
+    cfg = config.tiny(out_dir=str(out), data=str(small_data), max_steps=1, **SMALL_ARCH)
+    with pytest.raises(OSError) as e:
+        train.train(cfg, progress=False)
+    assert str(out) in str(e.value) and "--out-dir" in str(e.value)
+    assert [p.name for p in tmp_path.iterdir()] == ["a-file"] and blocker.read_text() == "not a folder"
+
+
+@pytest.mark.skipif(os.geteuid() == 0 if hasattr(os, "geteuid") else True,
+                    reason="root can write to read-only folders")
+def test_read_only_out_dir(tmp_path, small_data):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        cfg = config.tiny(out_dir=str(ro / "run"), data=str(small_data), max_steps=1, **SMALL_ARCH)
+        with pytest.raises(OSError, match=str(ro)):
+            train.train(cfg, progress=False)
+    finally:
+        ro.chmod(0o700)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+def test_gpu_preset_on_cpu(tmp_path, small_data):
+    cfg = config.llama7b_lora(out_dir=str(tmp_path / "run"), data=str(small_data))
+    with pytest.raises(RuntimeError) as e:
+        train.train(cfg, progress=False)
+    assert "GPU" in str(e.value) and "--preset tiny" in str(e.value)
+    assert not (tmp_path / "run").exists(), "nothing should be written before the device check"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+def test_cuda_device_on_cpu(make_cfg):
+    with pytest.raises(RuntimeError, match="CUDA"):
+        train.train(make_cfg(device="cuda"), progress=False)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+def test_qlora_on_cpu(make_cfg):
+    with pytest.raises(RuntimeError, match="CUDA") as e:
+        train.train(make_cfg(method="qlora"), progress=False)
+    assert "--method lora" in str(e.value)
+
+
+def test_fewer_samples_than_a_batch(tmp_path, small_records):
+    path = write_jsonl(tmp_path / "four.jsonl", small_records[:4])
+    cfg = config.tiny(out_dir=str(tmp_path / "run"), data=str(path), batch_size=8, **SMALL_ARCH)
+    with pytest.raises(ValueError, match="fewer than one batch"):
+        train.train(cfg, progress=False)
+
+
+def test_vocab_size_too_small(make_cfg):
+    with pytest.raises(ValueError, match="vocab"):
+        train.train(make_cfg(vocab_size=300), progress=False)
+
+
+# ---- GPU -----------------------------------------------------------------------------------------
+
+
+@gpu
+def test_tiny_run_on_gpu_bf16(make_cfg):
+    cfg = make_cfg(max_steps=20, device="cuda", dtype="bf16")
+    summary = train.train(cfg, progress=False)
+    rows = train.read_metrics(cfg.run_dir())
+    assert len(rows) == 20 and rows[-1]["peak_mem_gb"] > 0
+    assert summary["losses"][-1] < summary["losses"][0]
