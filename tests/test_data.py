@@ -1,8 +1,12 @@
-"""Data: loaders, the offline tokenizer, prompt masking, truncation, batching and bad input."""
+"""Data: loaders, the offline tokenizer and its cache, prompt masking, chats, truncation, saving, bad input.
+
+Batching (collator, samplers, packing, the DataLoader) is tested in test_batching.py."""
 
 from __future__ import annotations
 
+import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +31,33 @@ def tokenize_one(tokenizer, rec: dict, max_length: int = 512) -> dict:
     prompt_fields, response = data.detect_layout(list(rec))
     out = data.tokenize_batch({k: [v] for k, v in rec.items()}, tokenizer, max_length, prompt_fields, response)
     return {k: v[0] for k, v in out.items()}
+
+
+def files_under(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.rglob("*") if p.is_file()) if folder.exists() else []
+
+
+# What `load_records` leaves in its cache for one converted file: the arrow copy and no tokenized result.
+CONVERTED = ["data-00000-of-00001.arrow", "dataset_info.json", "state.json"]
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATS = [
+    {"messages": [{"role": "system", "content": "Answer with a number."},
+                  {"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"},
+                  {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "It is 6."}]},
+    {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]},
+]
+
+
+def trained_runs(sample: dict) -> list[list[int]]:
+    """The maximal runs of labels that are not ignored."""
+    runs, current = [], []
+    for t in sample["labels"] + [IGNORE]:
+        if t != IGNORE:
+            current.append(t)
+        elif current:
+            runs, current = runs + [current], []
+    return runs
 
 
 # ---- tokenizer -----------------------------------------------------------------------------------
@@ -139,9 +170,56 @@ def test_instruction_layout(tokenizer):
     (["instruction", "output"], (("instruction", "input"), "output")),
     (["prompt", "completion", "id"], (("prompt",), "completion")),
     (["text", "meta"], ((), "text")),
+    (["messages", "text"], ((), "messages")),
 ])
 def test_detect_layout(columns, expected):
     assert data.detect_layout(columns) == expected
+
+
+# ---- chats ---------------------------------------------------------------------------------------
+
+
+def test_chat_builtin_template_trains_on_assistant_turns_alone(tokenizer):
+    assert not tokenizer.chat_template  # the offline BPE has none: the built-in template applies
+    sample = tokenize_one(tokenizer, CHATS[0])
+    assert sample["input_ids"][0] == tokenizer.bos_token_id
+    text = tokenizer.decode(sample["input_ids"])
+    for m in CHATS[0]["messages"]:
+        assert f"<|{m['role']}|>\n{m['content']}" in text
+    answers = [m["content"] for m in CHATS[0]["messages"] if m["role"] == "assistant"]
+    runs = trained_runs(sample)
+    assert [tokenizer.decode(r[:-1]) for r in runs] == answers
+    assert all(r[-1] == tokenizer.eos_token_id for r in runs)
+    # Every trained label is the input token at its position (labels are not shifted here).
+    assert all(t in (IGNORE, i) for t, i in zip(sample["labels"], sample["input_ids"]))
+
+
+def test_chat_uses_the_tokenizers_template(tokenizer):
+    chatml = copy.deepcopy(tokenizer)
+    chatml.chat_template = CHATML
+    for rec in CHATS:
+        sample = tokenize_one(chatml, rec)
+        rendered = chatml.apply_chat_template(rec["messages"], tokenize=False)
+        assert chatml.decode(sample["input_ids"]) == rendered
+        answers = [m["content"] + "<|im_end|>\n" for m in rec["messages"] if m["role"] == "assistant"]
+        assert [chatml.decode(r) for r in trained_runs(sample)] == answers
+
+
+def test_chat_template_that_is_not_prefix_stable_is_refused(tokenizer):
+    odd = copy.deepcopy(tokenizer)
+    odd.chat_template = "{% if add_generation_prompt %}!{% endif %}" + CHATML
+    with pytest.raises(DataError, match=r"message 3 \(assistant\) cannot be located"):
+        tokenize_one(odd, CHATS[0])
+
+
+def test_chat_dataset_end_to_end(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "chat.jsonl", CHATS)
+    ds = data.load_records(str(path), cache_dir=tmp_path / "cache")
+    assert [dict(r) for r in ds] == CHATS
+    tok, stats = data.tokenize_dataset(ds, tokenizer, 512, source=str(path))
+    assert stats["samples"] == 2 and stats["truncated"] == 0
+    assert tok[1]["input_ids"] == tokenize_one(tokenizer, CHATS[1])["input_ids"]
+    assert data.record_text(CHATS[1], (), "messages") == "Hi\nHello!"
 
 
 # ---- whole-dataset tokenization ------------------------------------------------------------------
@@ -166,9 +244,10 @@ def test_truncation_is_counted(tokenizer, small_data):
 
 def test_tokenize_dataset_in_parallel_matches(tokenizer, small_data):
     ds = data.load_records(str(small_data))
-    one, _ = data.tokenize_dataset(ds, tokenizer, 128)
-    two, _ = data.tokenize_dataset(ds, tokenizer, 128, num_proc=2)
-    assert one["input_ids"] == two["input_ids"] and one["labels"] == two["labels"]
+    one, s1 = data.tokenize_dataset(ds, tokenizer, 128, use_cache=False)
+    two, s2 = data.tokenize_dataset(ds, tokenizer, 128, num_proc=2, use_cache=False)
+    assert not s1["cached"] and not s2["cached"]
+    assert one["input_ids"][:] == two["input_ids"][:] and one["labels"][:] == two["labels"][:]
 
 
 def test_save_dataset_replaces_atomically(tmp_path, tokenizer, small_data):
@@ -180,50 +259,87 @@ def test_save_dataset_replaces_atomically(tmp_path, tokenizer, small_data):
     assert [p.name for p in tmp_path.iterdir()] == ["dataset"]
 
 
-# ---- batching ------------------------------------------------------------------------------------
+# ---- the cache -----------------------------------------------------------------------------------
 
 
-def test_collator_pads_right(tokenizer, small_records):
-    samples = [tokenize_one(tokenizer, r) for r in small_records[:5]]
-    pad = tokenizer.pad_token_id
-    batch = data.Collator(pad)(samples)
-    longest = max(len(s["input_ids"]) for s in samples)
-    width = batch["input_ids"].shape[1]
-    assert width >= longest and width % 8 == 0 and width - longest < 8
-    for k in ("input_ids", "labels", "attention_mask"):
-        assert batch[k].shape == (5, width) and batch[k].dtype == torch.long
-    for i, s in enumerate(samples):
-        n = len(s["input_ids"])
-        assert batch["input_ids"][i, :n].tolist() == s["input_ids"]
-        assert batch["labels"][i, :n].tolist() == s["labels"]
-        assert (batch["input_ids"][i, n:] == pad).all()
-        assert (batch["labels"][i, n:] == IGNORE).all()
-        assert batch["attention_mask"][i].tolist() == [1] * n + [0] * (width - n)
-    assert data.Collator(pad, pad_to_multiple_of=1)(samples)["input_ids"].shape[1] == longest
+def test_load_records_converts_a_file_once(tmp_path, small_records, monkeypatch):
+    path = write_jsonl(tmp_path / "d.jsonl", small_records[:8])
+    cache = tmp_path / "cache"
+    first = data.load_records(str(path), cache_dir=cache)
+    assert first.cache_files and files_under(cache) == CONVERTED  # file-backed: what datasets caching needs
+    monkeypatch.setitem(data.READERS, ".jsonl", lambda p: pytest.fail("read the JSONL again"))
+    again = data.load_records(str(path), cache_dir=cache)
+    assert again.cache_files == first.cache_files and again[:] == first[:]
+    monkeypatch.undo()
+    write_jsonl(path, small_records[:9])  # another content is another conversion
+    assert len(data.load_records(str(path), cache_dir=cache)) == 9
+    assert len([p for p in cache.iterdir() if p.is_dir()]) == 2
 
 
-def test_epoch_sampler_is_a_seeded_permutation():
-    n = 37
-    order = list(data.EpochSampler(n, seed=3, epoch=0))
-    assert sorted(order) == list(range(n)) and len(data.EpochSampler(n, 3, 0)) == n
-    assert list(data.EpochSampler(n, seed=3, epoch=0)) == order
-    assert list(data.EpochSampler(n, seed=3, epoch=1)) != order
-    assert list(data.EpochSampler(n, seed=4, epoch=0)) != order
-    for start in (0, 1, 10, 36, 37):
-        resumed = data.EpochSampler(n, seed=3, epoch=0, start=start)
-        assert list(resumed) == order[start:]
-        assert len(resumed) == n - start
+def test_tokenized_cache_is_reused_and_invalidated(tmp_path, tokenizer, small_data, small_records, monkeypatch):
+    cache = tmp_path / "cache"
+    ds = data.load_records(str(small_data), cache_dir=cache)
+    first, stats = data.tokenize_dataset(ds, tokenizer, 128)
+    assert not stats["cached"]
+    results = [f for f in files_under(cache) if f.startswith("cache-")]
+    assert len(results) == 1
+
+    # The same call with a freshly loaded copy of the same tokenizer: read back, tokenize_batch never called.
+    same = mdl.train_tokenizer(train.training_texts(data.load_records(str(small_data))), 1024)
+    assert same is not tokenizer
+    monkeypatch.setattr(data, "tokenize_batch", lambda *a, **k: pytest.fail("tokenized again"))
+    again, stats = data.tokenize_dataset(data.load_records(str(small_data), cache_dir=cache), same, 128)
+    assert stats["cached"] and again["input_ids"][:] == first["input_ids"][:]
+    assert [f for f in files_under(cache) if f.startswith("cache-")] == results
+    monkeypatch.undo()
+
+    # Another max_length or another tokenizer: tokenized again, into a new file.
+    _, stats = data.tokenize_dataset(ds, tokenizer, 64)
+    assert not stats["cached"]
+    other = mdl.train_tokenizer([r["question"] + r["answer"] for r in small_records], 600)
+    _, stats = data.tokenize_dataset(ds, other, 128)
+    assert not stats["cached"]
+    assert len([f for f in files_under(cache) if f.startswith("cache-")]) == 3
+    _, stats = data.tokenize_dataset(ds, tokenizer, 128, use_cache=False)
+    assert not stats["cached"]
 
 
-def test_dataloader_starts_mid_epoch_exactly(tokenizer, small_data):
+def test_tokenizer_fingerprint_is_stable(tokenizer, small_data, small_records):
+    """datasets hashes the tokenizer (with dill) into the cache key: it must not change with a reload or
+    after use, and must change for another tokenizer or chat template."""
+    from datasets.fingerprint import Hasher
+
+    before = Hasher.hash(tokenizer)
+    tokenizer(["some text", "more"], add_special_tokens=False)
+    assert Hasher.hash(tokenizer) == before
+    reloaded = mdl.train_tokenizer(train.training_texts(data.load_records(str(small_data))), 1024)
+    assert Hasher.hash(reloaded) == before
+    assert Hasher.hash(mdl.train_tokenizer([r["answer"] for r in small_records], 600)) != before
+    templated = copy.deepcopy(tokenizer)
+    templated.chat_template = CHATML
+    assert Hasher.hash(templated) != before
+
+
+# ---- saving and reading tokenized data -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("in_memory", [False, True])
+def test_tokenized_round_trips_through_disk_and_parquet(tmp_path, tokenizer, small_data, in_memory):
     ds, _ = data.tokenize_dataset(data.load_records(str(small_data)), tokenizer, 128)
-    pad = tokenizer.pad_token_id
-    full = list(data.build_dataloader(ds, 8, pad, seed=1, epoch=2))
-    assert len(full) == len(ds) // 8
-    resumed = list(data.build_dataloader(ds, 8, pad, seed=1, epoch=2, start_batch=3))
-    assert len(resumed) == len(full) - 3
-    for a, b in zip(full[3:], resumed):
-        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["labels"], b["labels"])
+    disk = data.load_tokenized(data.save_dataset(ds, tmp_path / "tokenized"), in_memory=in_memory)
+    parquet = data.load_tokenized(data.save_parquet(ds, tmp_path / "tokenized.parquet"), in_memory=in_memory)
+    for loaded in (disk, parquet):
+        assert loaded[:] == ds[:]
+        assert bool(loaded.cache_files) != in_memory  # memory-mapped files, or nothing but RAM
+    assert data.load_records(str(tmp_path / "tokenized.parquet"))[:] == ds[:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tokenized", "tokenized.parquet"]
+
+
+def test_jsonl_retokenized_per_epoch_matches_offline(tokenizer, small_data):
+    offline, _ = data.tokenize_dataset(data.load_records(str(small_data)), tokenizer, 64)
+    streamed = list(data.iter_jsonl_tokenized(small_data, tokenizer, 64))
+    assert [s["input_ids"] for s in streamed] == offline["input_ids"][:]
+    assert [s["labels"] for s in streamed] == offline["labels"][:]
 
 
 # ---- loaders -------------------------------------------------------------------------------------
@@ -249,13 +365,15 @@ def _write_format(fmt: str, tmp_path, records: list[dict]):
     raise ValueError(fmt)
 
 
+@pytest.mark.parametrize("kind", ["qa", "chat"])
 @pytest.mark.parametrize("fmt", ["jsonl", "json", "parquet", "save_to_disk"])
-def test_load_records_formats(fmt, tmp_path, small_records):
-    records = small_records[:12]
+def test_load_records_formats(fmt, kind, tmp_path, small_records):
+    records = small_records[:12] if kind == "qa" else CHATS
     path = _write_format(fmt, tmp_path, records)
-    ds = data.load_records(str(path))
+    ds = data.load_records(str(path), cache_dir=tmp_path / "cache")
     assert len(ds) == len(records)
     assert [dict(r) for r in ds] == records
+    assert ds.cache_files  # file-backed, so datasets can cache what is computed from it
 
 
 def test_load_records_text(tmp_path):
@@ -301,6 +419,7 @@ def test_hub_name_goes_to_the_hub(monkeypatch):
 
 
 # ---- bad input -----------------------------------------------------------------------------------
+# Each error names the file, the line or record, the field, and what to do; none leaves a file behind.
 
 
 def test_malformed_jsonl_names_file_and_line(tmp_path, small_records):
@@ -309,8 +428,9 @@ def test_malformed_jsonl_names_file_and_line(tmp_path, small_records):
     lines[2] = lines[2][:-5]  # cut the closing of the third record
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(DataError) as e:
-        data.load_records(str(path))
-    assert f"{path}:3:" in str(e.value)
+        data.load_records(str(path), cache_dir=tmp_path / "cache")
+    assert f"{path}:3:" in str(e.value) and "Each line must be one JSON object" in str(e.value)
+    assert files_under(tmp_path / "cache") == []
 
 
 def test_jsonl_line_that_is_not_an_object(tmp_path):
@@ -327,9 +447,19 @@ def test_non_utf8_names_file(tmp_path, suffix):
                                                                   else "caf\u00e9\n")
     path.write_bytes(text.encode("latin-1"))
     with pytest.raises(DataError) as e:
-        data.load_records(str(path))
+        data.load_records(str(path), cache_dir=tmp_path / "cache")
     assert str(path) in str(e.value)
     assert "UTF-8" in str(e.value)
+    assert files_under(tmp_path / "cache") == []
+
+
+def test_records_that_disagree_on_a_type(tmp_path):
+    path = write_jsonl(tmp_path / "mixed.jsonl", [{"question": "1+1?", "answer": "2"},
+                                                  {"question": "2+2?", "answer": 4}])
+    with pytest.raises(DataError, match="one type") as e:
+        data.load_records(str(path), cache_dir=tmp_path / "cache")
+    assert str(path) in str(e.value)
+    assert files_under(tmp_path / "cache") == []
 
 
 def test_unknown_fields_listed(tmp_path, tokenizer):
@@ -350,6 +480,18 @@ def test_unknown_fields_error_names_the_file(tmp_path):
     assert str(path) in str(e.value)
 
 
+def test_record_missing_a_field_lists_the_fields_it_has(tmp_path, tokenizer, small_records):
+    records = small_records[:2] + [{"question": "What is 2+2?", "solution": "4"}] + small_records[2:4]
+    path = write_jsonl(tmp_path / "d.jsonl", records)
+    ds = data.load_records(str(path), cache_dir=tmp_path / "cache")
+    with pytest.raises(DataError) as e:
+        data.tokenize_dataset(ds, tokenizer, 64, source=str(path))
+    msg = str(e.value)
+    assert f"{path}: record 3: missing field 'answer'" in msg
+    assert "['question', 'solution']" in msg and "Fix or remove the record" in msg
+    assert files_under(tmp_path / "cache") == CONVERTED
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(DataError, match="not found") as e:
         data.load_records(str(tmp_path / "nope.jsonl"))
@@ -364,7 +506,8 @@ def test_empty_file(tmp_path, content, match):
     path = tmp_path / "empty.jsonl"
     path.write_text(content)
     with pytest.raises(DataError, match=match):
-        data.load_records(str(path))
+        data.load_records(str(path), cache_dir=tmp_path / "cache")
+    assert files_under(tmp_path / "cache") == []
 
 
 def test_json_that_is_not_a_list(tmp_path):
@@ -388,8 +531,45 @@ def test_unknown_suffix(tmp_path):
 ])
 def test_empty_response_or_prompt(tmp_path, tokenizer, small_records, rec, field):
     records = small_records[:3] + [rec]
-    ds = data.load_records(str(write_jsonl(tmp_path / "d.jsonl", records)))
+    ds = data.load_records(str(write_jsonl(tmp_path / "d.jsonl", records)), cache_dir=tmp_path / "cache")
     with pytest.raises(DataError) as e:
         data.tokenize_dataset(ds, tokenizer, 64)
-    assert f"'{field}'" in str(e.value)
+    assert f"empty '{field}'" in str(e.value) and "Fill or remove the record" in str(e.value)
     assert "record 4" in str(e.value)  # 1-based: the bad record's line in the file
+    assert files_under(tmp_path / "cache") == CONVERTED
+
+
+def test_bad_record_in_parallel_leaves_no_cache_file(tmp_path, tokenizer, small_records):
+    """With num_proc, the shard without the bad record finishes and writes its file: it must go too."""
+    records = small_records[:40] + [{"question": "What is 2+2?", "answer": ""}]
+    path = write_jsonl(tmp_path / "d.jsonl", records)
+    ds = data.load_records(str(path), cache_dir=tmp_path / "cache")
+    with pytest.raises(DataError, match="record 41: empty 'answer'"):
+        data.tokenize_dataset(ds, tokenizer, 64, num_proc=2, source=str(path))
+    assert files_under(tmp_path / "cache") == CONVERTED
+
+
+@pytest.mark.parametrize("messages, match", [
+    ([{"role": "user", "content": "Hi"}, {"role": "tool", "content": "{}"}],
+     r"message 2 has role 'tool'; allowed roles are system, user, assistant\. Rename the role"),
+    ([{"role": "user", "content": "Hi"}, {"content": "Hello"}], r"message 2 has role None"),
+    ([{"role": "user", "content": "Hi"}], r"no assistant message, so nothing to train on"),
+    ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": " "}],
+     r"message 2 \(assistant\) has an empty or non-text 'content'"),
+    ([], r"'messages' must be a non-empty list"),
+])
+def test_bad_chat_records(tmp_path, tokenizer, messages, match):
+    path = write_jsonl(tmp_path / "chat.jsonl", CHATS + [{"messages": messages}])
+    ds = data.load_records(str(path), cache_dir=tmp_path / "cache")
+    with pytest.raises(DataError, match=match) as e:
+        data.tokenize_dataset(ds, tokenizer, 256, source=str(path))
+    assert f"{path}: record 3:" in str(e.value)
+    assert files_under(tmp_path / "cache") == CONVERTED
+
+
+def test_sample_longer_than_max_length_is_kept_and_counted(tmp_path, tokenizer, small_records):
+    long = {"question": "Add these: " + " + ".join(str(i) for i in range(200)), "answer": "19900"}
+    path = write_jsonl(tmp_path / "d.jsonl", small_records[:5] + [long])
+    ds, stats = data.tokenize_dataset(data.load_records(str(path)), tokenizer, 64)
+    assert stats["samples"] == 6 and stats["truncated"] == 1  # reported, not dropped
+    assert ds[5]["length"] == 64 and len(ds[5]["input_ids"]) == 64

@@ -1,4 +1,4 @@
-"""The `tunekit` command: train, bench, prepare, doctor, results.
+"""The `tunekit` command: train, bench, databench, prepare, doctor, results.
 
 Every command but doctor takes `--preset NAME` and then any config field as `--field value`
 (`tunekit train --preset tiny --lr 1e-3 --max-steps 20`); unknown fields are rejected.
@@ -52,11 +52,20 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="tiny", help=f"one of {', '.join(PRESETS)} (default tiny)")
     p.add_argument("--name", default="", help="result name (default: the preset)")
     p.add_argument("--out", default="runs/bench", help="a .json file or a folder (default runs/bench)")
+    p = sub.add_parser("databench", help="lesson 1's data measurements (train | loader | read)",
+                       description="train: C1, GPU wait and packing on the preset's model; loader: DataLoader "
+                       "knob sweep; read: RAM vs memory-mapped vs JSONL.", **common)
+    p.add_argument("experiment", choices=("train", "loader", "read"))
+    p.add_argument("--preset", default="tiny", help=f"one of {', '.join(PRESETS)} (default tiny)")
+    p.add_argument("--out", default="runs/bench", help="a .json file or a folder (default runs/bench)")
+    p.add_argument("--steps", type=int, default=15, help="train: timed steps per variant")
+    p.add_argument("--corpus-mb", type=int, default=1000, help="read: size of the synthetic corpus (0: none)")
+    p.add_argument("--jsonl-rows", type=int, default=100_000, help="read: rows re-tokenized from JSONL at most")
     p = sub.add_parser("prepare", help="tokenize the training data offline into <out-dir>/prepared", **common)
     p.add_argument("--preset", default="tiny", help=f"one of {', '.join(PRESETS)} (default tiny)")
     p.add_argument("--num-proc", type=int, default=None, help="tokenizer processes for datasets.map")
     sub.add_parser("doctor", help="what this machine has: GPU, bf16, optional packages")
-    p = sub.add_parser("results", help="print a markdown table of result JSON files")
+    p = sub.add_parser("results", help="print a markdown table of the step-benchmark result files")
     p.add_argument("paths", nargs="*", help="result files or folders (default notebooks/results)")
     return parser
 
@@ -72,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         from tunekit.notebook import RESULTS
 
         try:
-            print(format_table(load_results(*(args.paths or [RESULTS]))))
+            results = load_results(*(args.paths or [RESULTS]))
+            print(format_table([r for r in results if "step_time_s" in r]))  # step benchmarks only
         except (ValueError, OSError) as e:
             print(f"tunekit results: error: {e}", file=sys.stderr)
             return 2
@@ -91,6 +101,17 @@ def main(argv: list[str] | None = None) -> int:
 
             path = save_result(run_bench(cfg, args.name), args.out)
             print(f"result -> {path}")
+        elif args.command == "databench":
+            from tunekit import databench
+            from tunekit.bench import save_result
+
+            if args.experiment == "train":
+                result = databench.run_train_experiment(cfg, steps=args.steps)
+            elif args.experiment == "loader":
+                result = databench.run_loader_experiment(cfg)
+            else:
+                result = databench.run_read_experiment(cfg, args.corpus_mb, args.jsonl_rows)
+            print(f"result -> {save_result(result, args.out)}")
         elif args.command == "prepare":
             from tunekit.train import prepare
 

@@ -18,6 +18,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("full", "lora", "qlora")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention")
+PACKING = ("pad", "group", "pack")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -80,8 +81,18 @@ class TuneConfig:
     """Training data: a JSONL/JSON/parquet/text file, a `save_to_disk` folder, or a hub dataset name."""
     max_length: int = 256
     """Tokens per sample; longer samples are truncated (and counted)."""
+    packing: str = "pad"
+    """How samples become batches: `pad` (shuffle, pad to the batch's longest), `group` (batches of similar
+    length, less padding) or `pack` (concatenate samples into `max_length` rows; each attends only to
+    itself through position_ids — no padding at all)."""
     num_workers: int = 0
     """DataLoader worker processes. 0 collates in the training process."""
+    pin_memory: bool = True
+    """Page-locked host batches (used only when CUDA is present): faster, asynchronous host-to-GPU copies."""
+    prefetch_factor: int = 2
+    """Batches each worker prepares ahead (only with `num_workers` > 0)."""
+    persistent_workers: bool = True
+    """Keep workers alive between epochs instead of restarting them (only with `num_workers` > 0)."""
 
     # ---- optimisation ----------------------------------------------------------------------------
     batch_size: int = 16
@@ -125,6 +136,8 @@ class TuneConfig:
         need(self.dtype in DTYPES, "dtype", f"choose one of {', '.join(DTYPES)}")
         need(self.attention in ATTENTION, "attention", f"choose one of {', '.join(ATTENTION)}")
         need(self.device in DEVICES, "device", f"choose one of {', '.join(DEVICES)}")
+        need(self.packing in PACKING, "packing", f"choose one of {', '.join(PACKING)}")
+        need(self.prefetch_factor > 0, "prefetch_factor", "must be a positive integer")
         for name in ("batch_size", "grad_accum", "max_length", "max_steps", "log_every",
                      "bench_steps", "hidden_size", "num_layers", "num_heads", "intermediate_size"):
             need(getattr(self, name) > 0, name, "must be a positive integer")

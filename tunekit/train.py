@@ -45,9 +45,9 @@ def resolve_runtime(cfg: TuneConfig) -> tuple[str, torch.dtype]:
 
 
 def training_texts(ds, source: str = "dataset") -> list[str]:
-    prompt_fields, response = data.detect_layout(ds.column_names, source)
-    return [data.format_prompt(r, prompt_fields) + r[response] for r in ds
-            if isinstance(r.get(response), str)]
+    """The text of every record, as the tokenizer will see it (chats included)."""
+    layout = data.detect_layout(ds.column_names, source)
+    return [data.record_text(r, *layout) for r in ds]
 
 
 def build_tokenizer(cfg: TuneConfig, records=None):
@@ -68,7 +68,7 @@ def prepare(cfg: TuneConfig, num_proc: int | None = None, verbose: bool = True):
     src = Path(data.resolve_source(cfg.data))
     stamp = f"{src.stat().st_size}:{src.stat().st_mtime_ns}" if src.is_file() else cfg.data
     key = hashlib.sha256(json.dumps([cfg.data, stamp, cfg.tokenizer or cfg.model, cfg.tokenizer_vocab,
-                                     cfg.max_length]).encode()).hexdigest()[:16]
+                                     cfg.max_length, cfg.packing == "pack"]).encode()).hexdigest()[:16]
     stats_file = out / "stats.json"
     if stats_file.exists() and json.loads(stats_file.read_text()).get("key") == key:
         from transformers import AutoTokenizer
@@ -82,6 +82,9 @@ def prepare(cfg: TuneConfig, num_proc: int | None = None, verbose: bool = True):
     records = data.load_records(cfg.data)
     tokenizer = build_tokenizer(cfg, records)
     ds, stats = data.tokenize_dataset(records, tokenizer, cfg.max_length, num_proc=num_proc, source=cfg.data)
+    if cfg.packing == "pack":
+        ds = data.pack_dataset(ds, cfg.max_length)
+        stats["packed_rows"] = len(ds)
     stats["key"] = key
     out.mkdir(parents=True, exist_ok=True)
     data.save_dataset(ds, out / "dataset")
@@ -153,7 +156,8 @@ def micro_step(model, batch: dict, n_targets: int, autocast_dtype: torch.dtype |
     Labels are shifted rather than logits sliced, which would copy the largest tensor of the step."""
     device_type = batch["input_ids"].device.type
     with torch.autocast(device_type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
-        logits = model(input_ids=batch["input_ids"], use_cache=False).logits
+        # position_ids restart at each packed sample: transformers then masks attention per sample.
+        logits = model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), use_cache=False).logits
     labels = F.pad(batch["labels"][:, 1:], (0, 1), value=data.IGNORE)
     loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.reshape(-1),
                            ignore_index=data.IGNORE, reduction="sum") / n_targets
@@ -179,12 +183,18 @@ def to_device(batch: dict, device: str) -> dict:
 
 
 def batches_from(ds, cfg: TuneConfig, pad_id: int, epoch: int, start_batch: int):
-    """Yield (epoch, batch index within epoch, batch) forever, starting at a saved position."""
+    """Yield (epoch, batch index within epoch, batch) forever, starting at a saved position.
+
+    One DataLoader serves every epoch (its sampler moves on), so persistent workers really persist."""
+    loader = data.build_dataloader(ds, cfg.batch_size, pad_id, cfg.seed, epoch, start_batch, cfg.num_workers,
+                                   pin_memory=cfg.pin_memory and torch.cuda.is_available(),
+                                   prefetch_factor=cfg.prefetch_factor, persistent_workers=cfg.persistent_workers,
+                                   group_by_length=cfg.packing == "group")
     while True:
-        loader = data.build_dataloader(ds, cfg.batch_size, pad_id, cfg.seed, epoch, start_batch, cfg.num_workers)
         for i, batch in enumerate(loader, start_batch):
             yield epoch, i, batch
         epoch, start_batch = epoch + 1, 0
+        loader.sampler.set_epoch(epoch)
 
 
 # ---- the run -----------------------------------------------------------------------------------------

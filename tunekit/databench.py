@@ -1,0 +1,341 @@
+"""Lesson 1's measurements: where data costs time in fine-tuning, and what each fix buys.
+
+Three experiments, each one result file (the keys every tunekit result has, plus a `rows` list):
+
+- `train`: the training step fed three ways — tokenized offline, tokenized in the loop, tokenized in the
+  loop but inside DataLoader workers (claim C1) — then with the DataLoader knobs off and on (does the GPU
+  ever wait? claim C2), then padded vs length-grouped vs packed batches (real tokens/s and padding).
+  Each row splits the step into *data* time (waiting for the next batch and copying it to the device) and
+  *compute* time (forward, backward, optimizer, synchronized).
+- `loader`: a sweep of `num_workers` x `pin_memory` x `prefetch_factor` x `persistent_workers` on data
+  throughput alone, two epochs each, so worker start-up and persistence show (claim C2).
+- `read`: one pass over a tokenized dataset held in RAM, memory-mapped from disk cold and warm, and re-read
+  from JSONL and re-tokenized, on GSM8K and on a synthetic corpus of about 1 GB (claim C3).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from tunekit import data, memory
+from tunekit.bench import gpu_name, versions
+from tunekit.config import TuneConfig, config_dict
+
+# ---- timing a fed training step ----------------------------------------------------------------------
+
+
+def measure_fed_steps(step_fn, batches, steps: int, warmup: int, device: str) -> dict:
+    """Run `step_fn(batch)` on `warmup + steps` batches from the iterator `batches`, timing for each step
+    the wait for its batch (data) and the step itself (compute, synchronized). Real tokens are counted from
+    each batch's attention mask."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    data_s, compute_s, tokens, slots = [], [], 0, 0
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        batch = next(batches)
+        mask = batch.pop("attention_mask")
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        sync()
+        t1 = time.perf_counter()
+        step_fn(batch)
+        sync()
+        t2 = time.perf_counter()
+        if i >= warmup:
+            data_s.append(t1 - t0)
+            compute_s.append(t2 - t1)
+            tokens += int(mask.sum())
+            slots += mask.numel()
+    total = sum(data_s) + sum(compute_s)
+    return {"tokens_per_s": round(tokens / total, 1), "data_s_per_step": round(statistics.mean(data_s), 5),
+            "compute_s_per_step": round(statistics.mean(compute_s), 5),
+            "data_fraction": round(sum(data_s) / total, 4), "real_tokens": tokens, "slots": slots,
+            "padding_fraction": round(1 - tokens / slots, 4), "steps": steps}
+
+
+class InLoopTokenized(torch.utils.data.Dataset):
+    """Raw records that tokenize on access: tokenization happens wherever the DataLoader fetches —
+    in the training process (num_workers=0) or in its worker processes."""
+
+    def __init__(self, records, tokenizer, max_length: int, source: str = "dataset"):
+        self.records, self.tokenizer, self.max_length = records, tokenizer, max_length
+        self.layout = data.detect_layout(records.column_names, source)
+        self.source = source
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, i: int) -> dict:
+        rec = self.records[i]
+        batch = {k: [v] for k, v in rec.items()}
+        out = data.tokenize_batch(batch, self.tokenizer, self.max_length, *self.layout, source=self.source, rows=[i])
+        return {"input_ids": out["input_ids"][0], "labels": out["labels"][0]}
+
+
+def cycle(make_loader):
+    """Batches forever from fresh loaders (one per epoch)."""
+    epoch = 0
+    while True:
+        yield from make_loader(epoch)
+        epoch += 1
+
+
+def plain_loader(ds, batch_size: int, pad_id: int, seed: int, epoch: int, **knobs):
+    """A DataLoader over any map-style dataset of {"input_ids", "labels"} with the knobs given."""
+    workers = knobs.get("num_workers", 0)
+    extra = ({"prefetch_factor": knobs.get("prefetch_factor", 2),
+              "persistent_workers": knobs.get("persistent_workers", False)} if workers else {})
+    return torch.utils.data.DataLoader(ds, batch_size=batch_size, sampler=data.EpochSampler(len(ds), seed, epoch),
+                                       collate_fn=data.Collator(pad_id), drop_last=True, num_workers=workers,
+                                       pin_memory=knobs.get("pin_memory", False), **extra)
+
+
+def run_train_experiment(cfg: TuneConfig, steps: int = 15, warmup: int = 3, verbose: bool = True) -> dict:
+    """C1, the GPU-wait half of C2, and packing, on one model built once (see module docstring)."""
+    from tunekit import train as tr
+
+    device, dtype = tr.resolve_runtime(cfg)
+    records = data.load_records(cfg.data)
+    tokenizer = tr.build_tokenizer(cfg, records)
+    tokenized, stats = data.tokenize_dataset(records, tokenizer, cfg.max_length, source=cfg.data)
+    model = tr.build_training_model(cfg, len(tokenizer), device, dtype, verbose=verbose)
+    optimizer = tr.build_optimizer(model, cfg.lr, cfg.weight_decay, device)
+    scheduler = tr.build_scheduler(optimizer, cfg.warmup_steps, 10**9, cfg.min_lr_ratio)
+    autocast_dtype = dtype if dtype != torch.float32 and device == "cuda" else None
+    pad = tokenizer.pad_token_id
+    bs, seed = cfg.batch_size, cfg.seed
+    workers = data.default_num_workers()
+    pin = device == "cuda"
+
+    def step(batch):
+        tr.train_step(model, [batch], optimizer, scheduler, cfg.max_grad_norm, autocast_dtype)
+
+    inloop = InLoopTokenized(records, tokenizer, cfg.max_length, cfg.data)
+    article = dict(num_workers=workers, pin_memory=pin, prefetch_factor=4, persistent_workers=True)
+    variants = {
+        # C1: where tokenization happens
+        "C1 offline (tokenized before training)": lambda e: plain_loader(tokenized, bs, pad, seed, e),
+        "C1 in the loop (main process)": lambda e: plain_loader(inloop, bs, pad, seed, e),
+        f"C1 in the loop, {workers} workers": lambda e: plain_loader(inloop, bs, pad, seed, e, **article),
+        # C2: the DataLoader knobs, on the offline data
+        "C2 loader knobs off": lambda e: plain_loader(tokenized, bs, pad, seed, e),
+        "C2 loader knobs as the article says": lambda e: plain_loader(tokenized, bs, pad, seed, e, **article),
+    }
+    packed = data.pack_dataset(tokenized, cfg.max_length)
+    pack_rows = max(1, round(bs * stats["tokens"] / stats["samples"] / cfg.max_length))  # about the same tokens
+    variants.update({
+        "pack: pad to longest in batch": lambda e: data.build_dataloader(tokenized, bs, pad, seed, e),
+        "pack: length-grouped batches": lambda e: data.build_dataloader(tokenized, bs, pad, seed, e,
+                                                                         group_by_length=True),
+        f"pack: packed rows of {cfg.max_length} (x{pack_rows})": lambda e: data.build_dataloader(
+            packed, pack_rows, pad, seed, e),
+        f"pack: packed rows of {cfg.max_length} (x{4 * pack_rows}, 4x the tokens)": lambda e: data.build_dataloader(
+            packed, 4 * pack_rows, pad, seed, e),
+    })
+    rows = []
+    # An unreported pass first: the first steps on new batch shapes pay for kernel selection and allocator
+    # growth, and the C1/C2 variants all see the same batches — without this the first variant looks slow.
+    measure_fed_steps(step, cycle(next(iter(variants.values()))), steps, warmup, device)
+    memory.reset_peak_memory(device)
+    for name, make in variants.items():
+        row = {"variant": name, **measure_fed_steps(step, cycle(make), steps, warmup, device)}
+        rows.append(row)
+        if verbose:
+            print(f"{name:<45} {row['tokens_per_s']:>10,.0f} real tok/s  data {row['data_fraction']:6.1%}  "
+                  f"padding {row['padding_fraction']:6.1%}  step {row['compute_s_per_step']:.3f}s")
+    best = max(rows, key=lambda r: r["tokens_per_s"])
+    return result_dict("data_train", cfg, best["tokens_per_s"], memory.peak_memory_gb(device)[0], rows,
+                       data_stats=stats, num_workers=workers)
+
+
+# ---- the DataLoader sweep ------------------------------------------------------------------------------
+
+
+def run_loader_sweep(ds, pad_id: int, batch_size: int, batches: int, device: str, epochs: int = 2,
+                     worker_counts: tuple[int, ...] | None = None, verbose: bool = True) -> list[dict]:
+    """Data throughput alone (collate + copy to the device), `epochs` epochs of `batches` batches each."""
+    worker_counts = worker_counts or tuple(sorted({0, 2, data.default_num_workers()}))
+    subset = ds.select(range(min(len(ds), batches * batch_size)))
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    rows = []
+    for workers in worker_counts:
+        for pin in ((False, True) if device == "cuda" else (False,)):
+            for prefetch in ((2, 4) if workers else (None,)):
+                for persistent in ((False, True) if workers else (False,)):
+                    loader = data.build_dataloader(subset, batch_size, pad_id, num_workers=workers, pin_memory=pin,
+                                                   prefetch_factor=prefetch or 2, persistent_workers=persistent)
+                    t0 = time.perf_counter()
+                    first = None
+                    n = tokens = 0
+                    for _ in range(epochs):
+                        for batch in loader:
+                            for v in batch.values():
+                                v.to(device, non_blocking=True)
+                            if first is None:
+                                first = time.perf_counter() - t0
+                            n += 1
+                            tokens += int(batch["attention_mask"].sum())
+                    sync()
+                    total = time.perf_counter() - t0
+                    row = {"num_workers": workers, "pin_memory": pin, "prefetch_factor": prefetch,
+                           "persistent_workers": persistent, "batches_per_s": round(n / total, 1),
+                           "tokens_per_s": round(tokens / total, 1), "first_batch_s": round(first, 4),
+                           "total_s": round(total, 3)}
+                    rows.append(row)
+                    if verbose:
+                        print(f"workers {workers:>2} pin {pin!s:>5} prefetch {prefetch!s:>4} persistent "
+                              f"{persistent!s:>5}: {row['batches_per_s']:>8,.1f} batches/s, "
+                              f"first batch {first * 1000:7.1f} ms")
+    return rows
+
+
+# ---- reading: RAM vs memory-mapped vs JSONL -------------------------------------------------------------
+
+
+def drop_file_cache(folder: Path) -> None:
+    """Ask the kernel to forget the cached pages of every file under `folder` (a cold read next time)."""
+    for p in Path(folder).rglob("*"):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def full_pass(ds) -> tuple[int, int]:
+    """Read every row's input_ids in batches of 1,000 (as a DataLoader would, minus collation)."""
+    rows = tokens = 0
+    for batch in ds.with_format("numpy", columns=["input_ids"]).iter(batch_size=1000):
+        rows += len(batch["input_ids"])
+        tokens += sum(len(x) for x in batch["input_ids"])
+    return rows, tokens
+
+
+def measure_reads(jsonl: Path, tokenized_dir: Path, tokenizer, max_length: int, jsonl_rows: int | None = None,
+                  verbose: bool = True) -> list[dict]:
+    """Samples/s of one pass: in RAM, memory-mapped cold and warm, and JSONL re-read + re-tokenized."""
+    import datasets
+
+    rows = []
+
+    def record(kind, seconds, n, tokens):
+        row = {"source": kind, "samples_per_s": round(n / seconds, 1), "tokens_per_s": round(tokens / seconds, 1),
+               "samples": n, "seconds": round(seconds, 3)}
+        rows.append(row)
+        if verbose:
+            print(f"{kind:<34} {row['samples_per_s']:>14,.0f} samples/s  ({n:,} samples in {seconds:.2f} s)")
+
+    drop_file_cache(tokenized_dir)
+    t0 = time.perf_counter()
+    ds = datasets.load_from_disk(str(tokenized_dir))
+    n, tokens = full_pass(ds)
+    record("memory-mapped arrow, cold", time.perf_counter() - t0, n, tokens)
+    t0 = time.perf_counter()
+    n, tokens = full_pass(datasets.load_from_disk(str(tokenized_dir)))
+    record("memory-mapped arrow, warm", time.perf_counter() - t0, n, tokens)
+    in_ram = datasets.load_from_disk(str(tokenized_dir), keep_in_memory=True)  # loading is not the pass
+    t0 = time.perf_counter()
+    n, tokens = full_pass(in_ram)
+    record("arrow in RAM", time.perf_counter() - t0, n, tokens)
+    del in_ram
+    t0 = time.perf_counter()
+    n = tokens = 0
+    for ids in data.iter_jsonl_tokenized(jsonl, tokenizer, max_length):
+        n += 1
+        tokens += len(ids["input_ids"])
+        if jsonl_rows and n >= jsonl_rows:
+            break
+    record("JSONL re-read and re-tokenized", time.perf_counter() - t0, n, tokens)
+    return rows
+
+
+def write_synthetic_corpus(path: Path, megabytes: int, seed: int = 0) -> Path:
+    """About `megabytes` MB of GSM8K-layout JSONL from the project's arithmetic generator (atomic)."""
+    import importlib.util
+    import random
+
+    from tunekit.config import REPO_ROOT
+
+    spec = importlib.util.spec_from_file_location("make_arith", REPO_ROOT / "data" / "arith" / "make_arith.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    rng = random.Random(seed)
+    tmp = path.with_suffix(".tmp")
+    written, target = 0, megabytes * 1_000_000
+    with open(tmp, "w") as f:
+        while written < target:
+            chunk = "".join(json.dumps(gen.problem(rng)) + "\n" for _ in range(10_000))
+            f.write(chunk)
+            written += len(chunk)
+    os.replace(tmp, path)
+    return path
+
+
+def run_loader_experiment(cfg: TuneConfig, batches: int = 100, verbose: bool = True) -> dict:
+    from tunekit import train as tr
+
+    device = tr.resolve_runtime(cfg)[0]
+    records = data.load_records(cfg.data)
+    tokenizer = tr.build_tokenizer(cfg, records)
+    tokenized, _ = data.tokenize_dataset(records, tokenizer, cfg.max_length, source=cfg.data)
+    rows = run_loader_sweep(tokenized, tokenizer.pad_token_id, cfg.batch_size, batches, device, verbose=verbose)
+    best = max(rows, key=lambda r: r["tokens_per_s"])
+    return result_dict("data_loader", cfg, best["tokens_per_s"], 0.0, rows, batches_per_epoch=batches,
+                       batch_size=cfg.batch_size)
+
+
+def run_read_experiment(cfg: TuneConfig, corpus_mb: int = 1000, jsonl_rows: int = 100_000,
+                        verbose: bool = True) -> dict:
+    """C3 on the config's data and on a synthetic corpus of `corpus_mb` MB, tokenized offline first."""
+    from tunekit import train as tr
+
+    work = cfg.run_dir() / "read-bench"
+    work.mkdir(parents=True, exist_ok=True)
+    records = data.load_records(cfg.data)
+    tokenizer = tr.build_tokenizer(cfg, records)
+    procs = data.default_num_workers() or None
+    rows = []
+    sources = [("dataset", Path(data.resolve_source(cfg.data)))]
+    if corpus_mb:
+        corpus = work / f"synthetic-{corpus_mb}mb.jsonl"
+        if not corpus.exists():
+            t0 = time.perf_counter()
+            write_synthetic_corpus(corpus, corpus_mb, cfg.seed)
+            if verbose:
+                print(f"wrote {corpus.stat().st_size / 1e6:,.0f} MB synthetic corpus in {time.perf_counter() - t0:.0f} s")
+        sources.append(("synthetic", corpus))
+    for label, jsonl in sources:
+        tokenized_dir = work / f"{label}-tokenized"
+        t0 = time.perf_counter()
+        ds, stats = data.tokenize_dataset(data.load_records(str(jsonl)), tokenizer, cfg.max_length, num_proc=procs,
+                                          source=str(jsonl))
+        data.save_dataset(ds, tokenized_dir)
+        prep_s = time.perf_counter() - t0
+        if verbose:
+            print(f"--- {label}: {jsonl.name}, {jsonl.stat().st_size / 1e6:,.0f} MB JSONL, {stats['samples']:,} samples, "
+                  f"tokenized offline in {prep_s:.1f} s with {procs or 1} processes")
+        for row in measure_reads(jsonl, tokenized_dir, tokenizer, cfg.max_length, jsonl_rows, verbose):
+            arrow_mb = sum(p.stat().st_size for p in tokenized_dir.rglob("*") if p.is_file()) / 1e6
+            rows.append({"data": label, "jsonl_mb": round(jsonl.stat().st_size / 1e6, 1), "arrow_mb": round(arrow_mb, 1),
+                         "offline_tokenize_s": round(prep_s, 2), **row})
+    ram = max(r["samples_per_s"] for r in rows if r["source"] == "arrow in RAM")
+    return result_dict("data_read", cfg, max(r["tokens_per_s"] for r in rows), 0.0, rows, best_ram_samples_per_s=ram)
+
+
+# ---- results ---------------------------------------------------------------------------------------------
+
+
+def result_dict(name: str, cfg: TuneConfig | None, tokens_per_s: float, peak_gb: float, rows: list[dict],
+                **extra) -> dict:
+    return {"name": name, "preset": cfg.preset if cfg else "-", "gpu": gpu_name(), "world_size": 1,
+            "tokens_per_s": tokens_per_s, "peak_memory_gb": round(peak_gb, 3),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "cpu_count": os.cpu_count(), "rows": rows, **extra,
+            "config": config_dict(cfg) if cfg else None, "versions": versions()}
