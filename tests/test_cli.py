@@ -161,3 +161,17 @@ def test_unknown_subcommand_is_a_usage_error(capsys):
 def test_results_missing_path_exits_2(tmp_path, capsys):
     assert run_main(["results", str(tmp_path / "missing.json")]) == 2
     assert "missing.json" in capsys.readouterr().err
+
+
+def test_estimate_prints_the_parts_and_matches_the_library(capsys):
+    from tunekit import config, memory
+
+    assert cli.main(["estimate", "--preset", "llama7b_qlora", "--batch-size", "1"]) == 0
+    out = capsys.readouterr().out
+    expected = memory.estimate_memory_for(**config.config_dict(config.llama7b_qlora(batch_size=1)))
+    assert memory.format_estimate(expected) in out and "weights" in out
+
+
+def test_estimate_without_vocab_size_exits_2(capsys):
+    assert cli.main(["estimate", "--preset", "tiny"]) == 2
+    assert "--vocab-size" in capsys.readouterr().err

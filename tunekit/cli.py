@@ -1,4 +1,4 @@
-"""The `tunekit` command: train, bench, databench, prepare, doctor, results.
+"""The `tunekit` command: train, bench, databench, estimate, prepare, doctor, results.
 
 Every command but doctor takes `--preset NAME` and then any config field as `--field value`
 (`tunekit train --preset tiny --lr 1e-3 --max-steps 20`); unknown fields are rejected.
@@ -61,6 +61,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=15, help="train: timed steps per variant")
     p.add_argument("--corpus-mb", type=int, default=1000, help="read: size of the synthetic corpus (0: none)")
     p.add_argument("--jsonl-rows", type=int, default=100_000, help="read: rows re-tokenized from JSONL at most")
+    p = sub.add_parser("estimate", help="predict the peak GPU memory of a training step, loading nothing",
+                       **common)
+    p.add_argument("--preset", default="llama7b_lora", help=f"one of {', '.join(PRESETS)} (default llama7b_lora)")
     p = sub.add_parser("prepare", help="tokenize the training data offline into <out-dir>/prepared", **common)
     p.add_argument("--preset", default="tiny", help=f"one of {', '.join(PRESETS)} (default tiny)")
     p.add_argument("--num-proc", type=int, default=None, help="tokenizer processes for datasets.map")
@@ -112,6 +115,13 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 result = databench.run_read_experiment(cfg, args.corpus_mb, args.jsonl_rows)
             print(f"result -> {save_result(result, args.out)}")
+        elif args.command == "estimate":
+            from tunekit.config import config_dict
+            from tunekit.memory import estimate_memory_for, format_estimate
+
+            if not cfg.vocab_size:
+                raise ValueError("estimate needs --vocab-size (the tokenizer is not loaded)")
+            print(format_estimate(estimate_memory_for(**config_dict(cfg))))
         elif args.command == "prepare":
             from tunekit.train import prepare
 
