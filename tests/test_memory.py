@@ -173,7 +173,7 @@ def h200_results() -> list[dict]:
     from tunekit.config import REPO_ROOT
 
     out = []
-    for name in ("llama7b_lora_b4", "llama7b_lora_ckpt_b8", "llama7b_qlora_ckpt_b8"):
+    for name in ("llama7b_lora_b4", "llama7b_lora_ckpt_b8", "llama7b_qlora_ckpt_b8", "llama7b_qlora_ckpt_b1"):
         path = REPO_ROOT / "notebooks" / "results" / f"{name}.json"
         if path.exists():
             out.append(pytest.param(json.loads(path.read_text()), id=name))

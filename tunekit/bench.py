@@ -112,6 +112,9 @@ def run_bench(cfg: TuneConfig, name: str = "", verbose: bool = True) -> dict:
     def step():
         tr.train_step(model, micro, optimizer, scheduler, cfg.max_grad_norm, autocast_dtype)
 
+    # The step's peak, not the load's: a 4-bit load materializes bf16 weights on the way (13.5 GB for 7B).
+    load_peak, _ = memory.peak_memory_gb(device)
+    memory.reset_peak_memory(device)
     times = measure_step(step, cfg.bench_warmup, cfg.bench_steps, device)
     alloc, reserved = memory.peak_memory_gb(device)
     median = statistics.median(times)
@@ -128,7 +131,7 @@ def run_bench(cfg: TuneConfig, name: str = "", verbose: bool = True) -> dict:
         "tokens_per_s": round(tokens / median, 1), "peak_memory_gb": round(alloc, 3),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "memory_measure": "torch.cuda.max_memory_allocated" if device == "cuda" else "process peak RSS",
-        "peak_reserved_gb": round(reserved, 3), "step_time_s": round(median, 5),
+        "peak_reserved_gb": round(reserved, 3), "load_peak_gb": round(load_peak, 3), "step_time_s": round(median, 5),
         "step_times_s": [round(t, 5) for t in times], "tokens_per_step": tokens,
         "model_tflops_per_s": round(achieved / 1e12, 2), "mfu": round(achieved / peak, 4) if peak else None,
         "params_total": total, "params_trainable": trainable, "build_s": round(build_s, 1),
