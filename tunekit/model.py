@@ -206,6 +206,20 @@ def save_adapter(model, path: str | os.PathLike) -> Path:
     return path
 
 
+def merge_adapter(model, out_dir: str | os.PathLike | None = None, dtype: torch.dtype = torch.bfloat16):
+    """Fold LoRA updates into the base weights (W + B @ A * alpha / r) and return a plain model in `dtype`,
+    for export or fast inference; with `out_dir`, also save it there atomically (from_pretrained-ready).
+
+    A 4-bit base cannot absorb the update exactly: reload the base in bf16 and `load_adapter` first."""
+    if any(hasattr(p, "quant_state") for p in model.parameters()):
+        raise ValueError("merge_adapter: the base model is 4-bit; load it in bf16 (build_model / from_pretrained "
+                         "without quantization), attach the adapter with load_adapter, then merge.")
+    merged = model.merge_and_unload().to(dtype)
+    if out_dir is not None:
+        save_adapter(merged, out_dir)
+    return merged
+
+
 def load_adapter(base_model, path: str | os.PathLike, trainable: bool = False):
     """Attach a saved PEFT adapter to `base_model`."""
     from peft import PeftModel
