@@ -499,3 +499,24 @@ def test_tiny_run_on_gpu_bf16(make_cfg):
     rows = train.read_metrics(cfg.run_dir())
     assert len(rows) == 20 and rows[-1]["peak_mem_gb"] > 0
     assert summary["losses"][-1] < summary["losses"][0]
+
+
+def test_atomic_output_replaces_keeps_or_leaves_nothing(tmp_path):
+    from tunekit.checkpoint import atomic_output
+
+    final = tmp_path / "out"
+    with atomic_output(final) as tmp:
+        tmp.mkdir()
+        (tmp / "a").write_text("1")
+    with atomic_output(final) as tmp:  # replaces
+        tmp.mkdir()
+        (tmp / "a").write_text("2")
+    assert (final / "a").read_text() == "2"
+    with atomic_output(final, keep_existing=True) as tmp:  # a cache: the first finished copy stays
+        tmp.mkdir()
+        (tmp / "a").write_text("3")
+    assert (final / "a").read_text() == "2"
+    with pytest.raises(RuntimeError), atomic_output(tmp_path / "half.txt") as tmp:
+        tmp.write_text("partial")
+        raise RuntimeError("killed mid-write")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temp, no half-written file

@@ -2,12 +2,14 @@
 
 A checkpoint holds what a run needs to continue as if it had never stopped: the trainable weights (a
 PEFT adapter, or the full state dict), the optimizer and scheduler, every RNG state, and the data position.
-Everything is written into `<dir>.tmp` and renamed into place only when complete, and the `latest` pointer
+Everything is written into a temp folder and renamed into place only when complete (`atomic_output`,
+which every folder or file the project writes goes through), and the `latest` pointer
 is replaced atomically after that — a run killed mid-save leaves the previous checkpoint intact.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -28,6 +30,36 @@ def _check_writable(path: Path) -> None:
         raise OSError(f"cannot create output directory {path}: {e.strerror}. Choose another --out-dir.") from None
     if not os.access(path, os.W_OK):
         raise OSError(f"output directory {path} is not writable. Choose another --out-dir or fix its permissions.")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def atomic_output(final: str | os.PathLike, keep_existing: bool = False):
+    """Yield a temporary path beside `final` (`.<name>.<pid>.tmp`) to write a file or folder into. If the
+    block finishes, rename it to `final`, replacing what is there — or, with `keep_existing` (caches), keeping
+    a copy another process finished first. If the block raises, nothing is left behind."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+    _remove(tmp)
+    try:
+        yield tmp
+        if keep_existing and final.exists():
+            return
+        _remove(final)
+        try:
+            os.replace(tmp, final)
+        except OSError:  # a folder another process renamed into place meanwhile
+            if not (keep_existing and final.exists()):
+                raise
+    finally:
+        _remove(tmp)
 
 
 def _umask() -> int:
@@ -83,18 +115,14 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model, optimizer, sch
     run_dir = Path(run_dir)
     _check_writable(run_dir)
     final = run_dir / f"ckpt-{step:07d}"
-    tmp = run_dir / f".ckpt-{step:07d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    torch.save(trainable_state_dict(model), tmp / "trainable.pt")
-    if hasattr(model, "peft_config"):  # also a standard PEFT adapter folder, loadable with PeftModel
-        model.save_pretrained(tmp / "adapter")
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "rng": rng_state(), "data": data_state, "step": step}, tmp / "state.pt")
-    (tmp / "meta.json").write_text(json.dumps({"step": step, "data": data_state}) + "\n")
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    with atomic_output(final) as tmp:
+        tmp.mkdir()
+        torch.save(trainable_state_dict(model), tmp / "trainable.pt")
+        if hasattr(model, "peft_config"):  # also a standard PEFT adapter folder, loadable with PeftModel
+            model.save_pretrained(tmp / "adapter")
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "rng": rng_state(), "data": data_state, "step": step}, tmp / "state.pt")
+        (tmp / "meta.json").write_text(json.dumps({"step": step, "data": data_state}) + "\n")
     atomic_write_text(run_dir / LATEST, final.name + "\n")
     old = sorted(p for p in run_dir.glob("ckpt-*") if p.is_dir() and p != final)
     for p in old[: max(0, len(old) - (keep - 1))]:

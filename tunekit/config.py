@@ -299,6 +299,12 @@ def load_config(path: str | os.PathLike) -> TuneConfig:
         raise ConfigError(f"{path}: {e}") from None
 
 
+def cache_dir() -> Path:
+    """Where tokenizers, converted datasets and saved random-init models are cached: $TUNEKIT_CACHE, or
+    ~/.cache/tunekit."""
+    return Path(os.environ.get("TUNEKIT_CACHE", Path.home() / ".cache" / "tunekit"))
+
+
 def smoke_mode() -> bool:
     """True when TUNEKIT_SMOKE=1: notebooks and benches pick the tiny preset whatever the hardware."""
     return os.environ.get("TUNEKIT_SMOKE", "") not in ("", "0")

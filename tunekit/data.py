@@ -43,7 +43,9 @@ from tunekit.batching import (  # noqa: F401  (re-exported: data.Collator etc. k
     padding_stats,
     plan_packing,
 )
+from tunekit.checkpoint import atomic_output
 from tunekit.config import REPO_ROOT
+from tunekit.config import cache_dir as cache_root  # `cache_dir` is also an argument name below
 
 # Where local copies of public datasets live: ../shared/data beside the repo, or $TUNEKIT_DATA_DIR.
 SHARED_DATA = Path(os.environ.get("TUNEKIT_DATA_DIR", REPO_ROOT.parent / "shared" / "data"))
@@ -64,10 +66,6 @@ CODE_VERSION = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 
 class DataError(ValueError):
     """Bad input data; the message names the file, line or field, and what to do."""
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("TUNEKIT_CACHE", Path.home() / ".cache" / "tunekit"))
 
 
 # ---- reading ---------------------------------------------------------------------------------------
@@ -183,17 +181,9 @@ def _file_digest(path: Path) -> str:
 
 
 def _save_new(ds, folder: Path) -> None:
-    """save_to_disk into a temp folder, then rename; if another process got there first, keep theirs."""
-    tmp = folder.with_name(f".{folder.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    """save_to_disk atomically; if another process got there first, keep theirs."""
+    with atomic_output(folder, keep_existing=True) as tmp:
         ds.save_to_disk(str(tmp))
-        os.replace(tmp, folder)
-    except OSError:
-        if not (folder / "state.json").exists():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ---- formatting ------------------------------------------------------------------------------------
@@ -233,7 +223,7 @@ def _check_fields(rec: dict, fields: tuple[str, ...], where: str) -> None:
     for name in fields:
         value = rec.get(name)
         if value is None:
-            have = sorted(k for k, v in rec.items() if v is not None and k != "_row")
+            have = sorted(k for k, v in rec.items() if v is not None)
             raise DataError(f"{where}: missing field '{name}' (it has {have}). Fix or remove the record.")
         if not isinstance(value, str) or not value.strip():
             raise DataError(f"{where}: empty '{name}'. Fill or remove the record.")
@@ -311,10 +301,10 @@ def tokenize_batch(batch: dict, tokenizer, max_length: int, prompt_fields, respo
     through `encode_chat`. Samples longer than `max_length` are cut to it and flagged `truncated`.
 
     Errors name `source` and the record's 1-based position (`rows`: 0-based positions of the batch's records;
-    a record's position is its line in a JSONL file without blank lines; a `_row` column works too)."""
+    a record's position is its line in a JSONL file without blank lines)."""
     n = len(batch[response_field])
     records = [{k: batch[k][i] for k in batch} for i in range(n)]
-    rows = rows if rows is not None else batch.get("_row", range(n))  # `_row`: positions carried in the batch
+    rows = rows if rows is not None else range(n)
     wheres = [f"{source}: record {r + 1}" for r in rows]
     if response_field == "messages":
         pairs = [encode_chat(rec["messages"], tokenizer, where) for rec, where in zip(records, wheres)]
@@ -391,30 +381,16 @@ def iter_jsonl_tokenized(path: str | os.PathLike, tokenizer, max_length: int) ->
 
 def save_dataset(ds, path: str | os.PathLike) -> Path:
     """`save_to_disk` into a temp folder, then rename: a half-written dataset never looks finished."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with atomic_output(path) as tmp:
         ds.save_to_disk(str(tmp))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if path.exists():
-        shutil.rmtree(path)
-    os.replace(tmp, path)
-    return path
+    return Path(path)
 
 
 def save_parquet(ds, path: str | os.PathLike) -> Path:
     """One compressed parquet file, written to a temp name and renamed."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
+    with atomic_output(path) as tmp:
         ds.to_parquet(str(tmp))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    return Path(path)
 
 
 def load_tokenized(path: str | os.PathLike, in_memory: bool = False):

@@ -26,6 +26,7 @@ import torch
 
 from tunekit import data, memory
 from tunekit.bench import gpu_name, versions
+from tunekit.checkpoint import atomic_output
 from tunekit.config import TuneConfig, config_dict
 
 # ---- timing a fed training step ----------------------------------------------------------------------
@@ -267,14 +268,12 @@ def write_synthetic_corpus(path: Path, megabytes: int, seed: int = 0) -> Path:
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
     rng = random.Random(seed)
-    tmp = path.with_suffix(".tmp")
     written, target = 0, megabytes * 1_000_000
-    with open(tmp, "w") as f:
+    with atomic_output(path) as tmp, open(tmp, "w") as f:
         while written < target:
             chunk = "".join(json.dumps(gen.problem(rng)) + "\n" for _ in range(10_000))
             f.write(chunk)
             written += len(chunk)
-    os.replace(tmp, path)
     return path
 
 

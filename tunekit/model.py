@@ -13,19 +13,17 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
+from tunekit.checkpoint import atomic_output
+from tunekit.config import cache_dir
+
 DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("TUNEKIT_CACHE", Path.home() / ".cache" / "tunekit"))
 
 
 # ---- device and dtype ------------------------------------------------------------------------------
@@ -83,13 +81,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, cache: Path | None = 
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[PAD, BOS, EOS],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tk.train_from_iterator(texts, trainer=trainer)
-    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    tk.save(str(tmp / "tokenizer.json"))
-    try:
-        os.replace(tmp, folder)
-    except OSError:  # another process cached the same tokenizer first
-        shutil.rmtree(tmp, ignore_errors=True)
+    with atomic_output(folder, keep_existing=True) as tmp:  # another process may cache it first
+        tmp.mkdir()
+        tk.save(str(tmp / "tokenizer.json"))
     return PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"),
                                    bos_token=BOS, eos_token=EOS, pad_token=PAD)
 
@@ -134,11 +128,16 @@ def save_random_init(arch, dtype: torch.dtype, seed: int = 0) -> Path:
         return folder
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = build_model(arch, dtype=dtype, device=device, seed=seed)
-    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
+    with atomic_output(folder, keep_existing=True) as tmp:
+        model.save_pretrained(tmp)
     del model
-    os.replace(tmp, folder)
     return folder
+
+
+def require_cuda_for_4bit(device: str) -> None:
+    if device != "cuda":
+        raise RuntimeError("method=qlora needs a CUDA GPU: bitsandbytes 4-bit kernels run on GPUs only. "
+                           "Use --method lora (or full) on CPU.")
 
 
 def load_quantized(name_or_path: str, device: str = "cuda", attention: str = "sdpa",
@@ -147,9 +146,7 @@ def load_quantized(name_or_path: str, device: str = "cuda", attention: str = "sd
 
     The packed weights are stored as bf16 tensors (`bnb_4bit_quant_storage`) so FSDP can shard them
     alongside the rest of the model."""
-    if device != "cuda":
-        raise RuntimeError("method=qlora needs a CUDA GPU: bitsandbytes 4-bit kernels run on GPUs only. "
-                           "Use --method lora (or full) on CPU.")
+    require_cuda_for_4bit(device)
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:
@@ -196,14 +193,9 @@ def count_parameters(model) -> tuple[int, int]:
 def save_adapter(model, path: str | os.PathLike) -> Path:
     """Save a PEFT adapter (adapter_config.json + adapter_model.safetensors) atomically; given a plain
     model, save the whole model the same way."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    if path.exists():
-        shutil.rmtree(path)
-    os.replace(tmp, path)
-    return path
+    with atomic_output(path) as tmp:
+        model.save_pretrained(tmp)
+    return Path(path)
 
 
 def merge_adapter(model, out_dir: str | os.PathLike | None = None, dtype: torch.dtype = torch.bfloat16):

@@ -38,9 +38,8 @@ def resolve_runtime(cfg: TuneConfig) -> tuple[str, torch.dtype]:
     if device != "cuda" and cfg.preset in GPU_PRESETS and not cfg.model:
         raise RuntimeError(f"preset {cfg.preset!r} builds a 6.7B-parameter model and needs a CUDA GPU, "
                            "but none is visible (run `tunekit doctor`). On this machine use --preset tiny.")
-    if cfg.method == "qlora" and device != "cuda":
-        raise RuntimeError("method=qlora needs a CUDA GPU: bitsandbytes 4-bit kernels run on GPUs only. "
-                           "Use --method lora (or full) on CPU.")
+    if cfg.method == "qlora":
+        mdl.require_cuda_for_4bit(device)  # before data and model work, not after
     return device, mdl.resolve_dtype(cfg.dtype, device)
 
 
