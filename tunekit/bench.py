@@ -100,9 +100,9 @@ def run_bench(cfg: TuneConfig, name: str = "", verbose: bool = True) -> dict:
     t0 = time.perf_counter()
     model = tr.build_training_model(cfg, vocab, device, dtype, verbose=verbose)
     build_s = time.perf_counter() - t0
-    optimizer = tr.build_optimizer(model, cfg.lr, cfg.weight_decay, device)
+    optimizer = tr.build_optimizer(model, cfg.lr, cfg.weight_decay, device, cfg.optimizer)
     scheduler = tr.build_scheduler(optimizer, cfg.warmup_steps, 10**9, cfg.min_lr_ratio)
-    autocast_dtype = dtype if dtype != torch.float32 and device == "cuda" else None
+    options = tr.step_options(cfg, device, dtype)
     g = torch.Generator().manual_seed(cfg.seed)
     micro = []
     for _ in range(cfg.grad_accum):
@@ -110,12 +110,15 @@ def run_bench(cfg: TuneConfig, name: str = "", verbose: bool = True) -> dict:
         micro.append(tr.to_device({"input_ids": ids, "labels": ids.clone()}, device))
 
     def step():
-        tr.train_step(model, micro, optimizer, scheduler, cfg.max_grad_norm, autocast_dtype)
+        tr.train_step(model, micro, optimizer, scheduler, cfg.max_grad_norm, **options)
 
     # The step's peak, not the load's: a 4-bit load materializes bf16 weights on the way (13.5 GB for 7B).
     load_peak, _ = memory.peak_memory_gb(device)
     memory.reset_peak_memory(device)
-    times = measure_step(step, cfg.bench_warmup, cfg.bench_steps, device)
+    try:
+        times = measure_step(step, cfg.bench_warmup, cfg.bench_steps, device)
+    except torch.OutOfMemoryError:
+        raise RuntimeError(oom_advice(cfg)) from None
     alloc, reserved = memory.peak_memory_gb(device)
     median = statistics.median(times)
     tokens = cfg.batch_size * cfg.grad_accum * cfg.max_length
@@ -141,6 +144,158 @@ def run_bench(cfg: TuneConfig, name: str = "", verbose: bool = True) -> dict:
     if verbose:
         print(format_table([result]))
     return result
+
+
+# ---- what fits -----------------------------------------------------------------------------------------
+
+
+def allocatable_bytes(device: str = "cuda") -> float:
+    """What the caching allocator may hand out: the GPU's memory, or the cap `limit_memory` set."""
+    if device != "cuda" or not torch.cuda.is_available():
+        return float("inf")
+    total = torch.cuda.get_device_properties(0).total_memory
+    return total * getattr(limit_memory, "fraction", 1.0)
+
+
+def limit_memory(gb: float | None) -> None:
+    """Let this process allocate at most `gb` GB on the GPU, as if it had a smaller one: PyTorch raises
+    out-of-memory beyond it (`torch.cuda.set_per_process_memory_fraction`); 0 or None lifts the cap. For
+    checking that a config fits a 24 GB card on an H200. The CUDA context is outside the cap: leave it
+    room (~0.5-1 GB)."""
+    total = torch.cuda.get_device_properties(0).total_memory
+    limit_memory.fraction = min(1.0, gb * 1e9 / total) if gb else 1.0
+    torch.cuda.set_per_process_memory_fraction(limit_memory.fraction)
+
+
+def oom_advice(cfg: TuneConfig) -> str:
+    """The message for an out-of-memory step: what the estimator says would fit instead."""
+    config = config_dict(cfg)
+    budget = allocatable_bytes()
+    head = f"out of GPU memory at micro-batch {cfg.batch_size} x {cfg.max_length} tokens ({cfg.method}). "
+    if not config["vocab_size"]:
+        return head + "Lower --batch-size, or run `tunekit fit` to find the largest micro-batch that fits."
+    best = memory.estimate_max_batch(config, budget)
+    if best == 0:
+        return head + memory.cannot_fit_message(config, budget)
+    accum = memory.grad_accum_for(cfg.batch_size * cfg.grad_accum, best)
+    return head + (f"The estimator suggests --batch-size {best} --grad-accum {accum} (same samples per step); "
+                   "`tunekit fit` finds the largest micro-batch by trying it.")
+
+
+def find_micro_batch(cfg: TuneConfig, target_batch: int = 0, memory_gb: float = 0.0, name: str = "",
+                     limit: int = 256, verbose: bool = True) -> dict:
+    """The largest micro-batch of full-length (`max_length`) sequences that runs a training step, found by
+    trying it: double, then bisect, catching out-of-memory. Full-length rows are the worst case, so a
+    real run's shorter batches fit too. With `target_batch`, also the gradient accumulation that reaches it.
+
+    `memory_gb` caps the GPU memory first (`limit_memory`), to answer "would this fit a smaller GPU?".
+    Returns a result dict (the bench keys, `micro_batch`, `grad_accum`, the trials, the estimator's answer)."""
+    import gc
+
+    from tunekit import train as tr
+
+    device, dtype = tr.resolve_runtime(cfg)
+    if device != "cuda":
+        raise RuntimeError("tunekit fit tries steps until the GPU runs out of memory: it needs a CUDA GPU. "
+                           "On CPU, `tunekit estimate` answers from the estimator alone.")
+    if memory_gb:
+        limit_memory(memory_gb)
+    vocab = cfg.vocab_size or len(tr.build_tokenizer(cfg))
+    torch.manual_seed(cfg.seed)
+    model = tr.build_training_model(cfg, vocab, device, dtype, verbose=verbose)
+    optimizer = tr.build_optimizer(model, cfg.lr, cfg.weight_decay, device, cfg.optimizer)
+    scheduler = tr.build_scheduler(optimizer, cfg.warmup_steps, 10**9, cfg.min_lr_ratio)
+    options = tr.step_options(cfg, device, dtype)
+    trials: list[dict] = []
+
+    def fits(b: int) -> bool:
+        # The first trial runs twice: its first step creates the optimizer states, which every later step holds.
+        ids = torch.randint(0, vocab, (b, cfg.max_length), device=device)
+        batch = {"input_ids": ids, "labels": ids}
+        memory.reset_peak_memory(device)
+        t0 = time.perf_counter()
+        try:
+            for _ in range(1 if trials else 2):
+                tr.train_step(model, [batch], optimizer, scheduler, cfg.max_grad_norm, **options)
+            torch.cuda.synchronize()
+            ok = True
+        except torch.OutOfMemoryError:
+            ok = False
+        del ids, batch
+        optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+        peak = memory.peak_memory_gb(device)[0]
+        trials.append({"batch": b, "fits": ok, "peak_gb": round(peak, 3), "seconds": round(time.perf_counter() - t0, 2)})
+        if verbose:
+            print(f"fit: micro-batch {b}: {'fits' if ok else 'out of memory'} (peak {peak:.2f} GB)")
+        return ok
+
+    best = memory.largest_fitting(fits, limit)
+    budget = allocatable_bytes(device)
+    config = {**config_dict(cfg), "vocab_size": vocab}
+    if best == 0:
+        raise RuntimeError(memory.cannot_fit_message(config, budget))
+    accum = memory.grad_accum_for(target_batch, best) if target_batch else cfg.grad_accum
+    peak = max(t["peak_gb"] for t in trials if t["fits"] and t["batch"] == best)
+    result = {
+        "name": name or f"fit_{cfg.preset}", "preset": cfg.preset, "gpu": gpu_name(), "world_size": 1,
+        "tokens_per_s": None, "peak_memory_gb": peak,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "micro_batch": best, "grad_accum": accum, "global_batch": best * accum, "target_batch": target_batch,
+        "memory_cap_gb": memory_gb or None, "allocatable_gb": round(budget / 1e9, 2),
+        "estimate_micro_batch": memory.estimate_max_batch(config, budget, limit), "trials": trials,
+        "config": config_dict(cfg), "versions": versions(),
+    }
+    if verbose:
+        print(f"fit: largest micro-batch {best} x {cfg.max_length} (estimator: {result['estimate_micro_batch']}); "
+              f"--batch-size {best} --grad-accum {accum} gives {best * accum} samples a step")
+    return result
+
+
+def run_many(configs: dict[str, TuneConfig], out: str | Path, reuse: bool = True, memory_gb: float = 0.0,
+             verbose: bool = True) -> dict[str, dict]:
+    """Bench each named config in this process, one after another, saving `<out>/<name>.json`.
+
+    With `reuse`, a saved result is read back instead of re-run when its config is the same and it came
+    from a GPU of the same name (the line says so and gives its date). A config that runs out of memory
+    is not saved: its entry is `{"name", "error"}` with the estimator's advice. `memory_gb` caps the GPU
+    memory for these runs (`limit_memory`). Returns {name: result}."""
+    import gc
+
+    out = Path(out)
+    results: dict[str, dict] = {}
+    if memory_gb:
+        limit_memory(memory_gb)
+    try:
+        for name, cfg in configs.items():
+            path = out / f"{name}.json"
+            if reuse and path.exists():
+                old = json.loads(path.read_text())
+                if old.get("config") == config_dict(cfg) and old.get("gpu") == gpu_name():
+                    results[name] = old
+                    if verbose:
+                        print(f"{name}: reusing the result of {old['date']} ({path.name})")
+                    continue
+            try:
+                results[name] = run_bench(cfg, name, verbose=False)
+                save_result(results[name], out)
+            except RuntimeError as e:
+                if "out of GPU memory" not in str(e):
+                    raise
+                results[name] = {"name": name, "error": str(e)}
+            finally:
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+            if verbose:
+                r = results[name]
+                print(f"{name}: " + (r["error"].splitlines()[0] if "error" in r else
+                                     f"{r['tokens_per_s']:,.0f} tok/s, peak {r['peak_memory_gb']:.2f} GB"))
+    finally:
+        if memory_gb:
+            limit_memory(None)
+    return results
 
 
 def save_result(result: dict, out: str | Path) -> Path:

@@ -1,4 +1,4 @@
-"""The `tunekit` command: train, bench, databench, estimate, prepare, doctor, results.
+"""The `tunekit` command: train, bench, fit, databench, estimate, prepare, doctor, results.
 
 Every command but doctor takes `--preset NAME` and then any config field as `--field value`
 (`tunekit train --preset tiny --lr 1e-3 --max-steps 20`); unknown fields are rejected.
@@ -61,9 +61,19 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=15, help="train: timed steps per variant")
     p.add_argument("--corpus-mb", type=int, default=1000, help="read: size of the synthetic corpus (0: none)")
     p.add_argument("--jsonl-rows", type=int, default=100_000, help="read: rows re-tokenized from JSONL at most")
+    p = sub.add_parser("fit", help="find the largest micro-batch that fits the GPU by trying steps",
+                       description="Double, then bisect the micro-batch of full-length rows until a step runs "
+                       "out of memory; print it and the accumulation for --target-batch; write JSON.", **common)
+    p.add_argument("--preset", default="tiny", help=f"one of {', '.join(PRESETS)} (default tiny)")
+    p.add_argument("--target-batch", type=int, default=0, help="samples per optimizer step to reach")
+    p.add_argument("--memory-gb", type=float, default=0.0, help="cap GPU memory to this, as a smaller GPU would")
+    p.add_argument("--name", default="", help="result name (default fit_<preset>)")
+    p.add_argument("--out", default="runs/bench", help="a .json file or a folder (default runs/bench)")
     p = sub.add_parser("estimate", help="predict the peak GPU memory of a training step, loading nothing",
                        **common)
     p.add_argument("--preset", default="llama7b_lora", help=f"one of {', '.join(PRESETS)} (default llama7b_lora)")
+    p.add_argument("--memory-gb", type=float, default=0.0,
+                   help="also say the largest micro-batch whose estimate fits this much memory")
     p = sub.add_parser("prepare", help="tokenize the training data offline into <out-dir>/prepared", **common)
     p.add_argument("--preset", default="tiny", help=f"one of {', '.join(PRESETS)} (default tiny)")
     p.add_argument("--num-proc", type=int, default=None, help="tokenizer processes for datasets.map")
@@ -104,6 +114,11 @@ def main(argv: list[str] | None = None) -> int:
 
             path = save_result(run_bench(cfg, args.name), args.out)
             print(f"result -> {path}")
+        elif args.command == "fit":
+            from tunekit.bench import find_micro_batch, save_result
+
+            result = find_micro_batch(cfg, args.target_batch, args.memory_gb, args.name)
+            print(f"result -> {save_result(result, args.out)}")
         elif args.command == "databench":
             from tunekit import databench
             from tunekit.bench import save_result
@@ -122,6 +137,17 @@ def main(argv: list[str] | None = None) -> int:
             if not cfg.vocab_size:
                 raise ValueError("estimate needs --vocab-size (the tokenizer is not loaded)")
             print(format_estimate(estimate_memory_for(**config_dict(cfg))))
+            if args.memory_gb:
+                from tunekit.memory import cannot_fit_message, estimate_max_batch, grad_accum_for
+
+                best = estimate_max_batch(config_dict(cfg), args.memory_gb * 1e9)
+                if best == 0:
+                    print(cannot_fit_message(config_dict(cfg), args.memory_gb * 1e9))
+                    return 1
+                accum = grad_accum_for(cfg.batch_size * cfg.grad_accum, best)
+                print(f"fits {args.memory_gb:g} GB up to micro-batch {best} x {cfg.max_length}; for "
+                      f"{cfg.batch_size * cfg.grad_accum} samples a step: --batch-size {min(best, cfg.batch_size)} "
+                      f"--grad-accum {accum if best < cfg.batch_size else cfg.grad_accum}")
         elif args.command == "prepare":
             from tunekit.train import prepare
 

@@ -20,6 +20,9 @@ DTYPES = ("auto", "bf16", "fp16", "fp32")
 ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention")
 PACKING = ("pad", "group", "pack")
 DEVICES = ("auto", "cpu", "cuda")
+LOSSES = ("chunked", "plain")
+OPTIMIZERS = ("adamw", "adamw8bit")
+SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
 
 
 class ConfigError(ValueError):
@@ -72,9 +75,25 @@ class TuneConfig:
     """Weights and compute: `auto` is bf16 on a GPU that supports it, fp32 on CPU."""
     attention: str = "auto"
     """Attention kernel: `auto`, `sdpa`, `eager`, `flash_attention_2` or `flex_attention`."""
+    sdpa_backend: str = "auto"
+    """SDPA kernels in priority order: `auto` (cuDNN first on Hopper GPUs, else PyTorch's order), one of
+    `cudnn`, `flash`, `efficient`, `math`, or a comma-separated list such as `cudnn,flash`."""
     grad_ckpt: bool = False
     """Gradient checkpointing: recompute activations in backward. Saves most activation memory for
     about a third more compute."""
+    grad_ckpt_offload: bool = False
+    """With `grad_ckpt`: keep each block's saved input in pinned CPU memory instead of on the GPU
+    (layers x tokens x hidden x 2 bytes freed, for a copy each way)."""
+    embed_offload: bool = False
+    """LoRA/QLoRA: keep the frozen input-embedding table and LM head in CPU memory: tokens are looked up
+    there, and the head comes to the GPU for the loss only (frees 0.52 GB for Llama-2-7B)."""
+    lora_input_cast: bool = False
+    """peft's default: cast each LoRA input to the fp32 adapter dtype. Under autocast it is cast straight
+    back to bf16, so the numbers are the same, but each adapted linear then saves its own bf16 copy of its
+    input (8 bytes a token per hidden unit per layer). Off: the copies are skipped."""
+    peft_kbit_prepare: bool = False
+    """QLoRA only: call peft's `prepare_model_for_kbit_training`, as peft's guides do. It upcasts every
+    weight that is not 4-bit (embeddings, LM head, norms) to fp32. Off: tunekit keeps them bf16."""
 
     # ---- data ------------------------------------------------------------------------------------
     data: str = "data/arith/train.jsonl"
@@ -95,6 +114,12 @@ class TuneConfig:
     """Keep workers alive between epochs instead of restarting them (only with `num_workers` > 0)."""
 
     # ---- optimisation ----------------------------------------------------------------------------
+    loss: str = "chunked"
+    """`chunked`: LM head and cross-entropy fused, 1k tokens at a time, never holding the logits (see
+    tunekit/loss.py). `plain`: `model(...).logits` then `F.cross_entropy`, the reference."""
+    optimizer: str = "adamw"
+    """`adamw` (fp32 states for fp32 adapters; fused kernel on CUDA) or `adamw8bit` (bitsandbytes
+    block-wise 8-bit states: 2 bytes a parameter instead of 8; CUDA only)."""
     batch_size: int = 16
     """Micro-batch: samples per forward/backward."""
     grad_accum: int = 1
@@ -137,6 +162,17 @@ class TuneConfig:
         need(self.attention in ATTENTION, "attention", f"choose one of {', '.join(ATTENTION)}")
         need(self.device in DEVICES, "device", f"choose one of {', '.join(DEVICES)}")
         need(self.packing in PACKING, "packing", f"choose one of {', '.join(PACKING)}")
+        need(self.loss in LOSSES, "loss", f"choose one of {', '.join(LOSSES)}")
+        need(self.optimizer in OPTIMIZERS, "optimizer", f"choose one of {', '.join(OPTIMIZERS)}")
+        names = [b.strip() for b in self.sdpa_backend.split(",")]
+        need(self.sdpa_backend == "auto" or (all(names) and set(names) <= set(SDPA_BACKENDS)), "sdpa_backend",
+             f"use auto or a comma-separated list of {', '.join(SDPA_BACKENDS)}")
+        need(self.grad_ckpt or not self.grad_ckpt_offload, "grad_ckpt_offload",
+             "offloads what checkpointing saves; turn on --grad-ckpt too")
+        need(self.method != "full" or not self.embed_offload, "embed_offload",
+             "only a frozen embedding table can live on the CPU; use it with --method lora or qlora")
+        need(self.method == "qlora" or not self.peft_kbit_prepare, "peft_kbit_prepare",
+             "applies to 4-bit models only; use it with --method qlora")
         need(self.prefetch_factor > 0, "prefetch_factor", "must be a positive integer")
         for name in ("batch_size", "grad_accum", "max_length", "max_steps", "log_every",
                      "bench_steps", "hidden_size", "num_layers", "num_heads", "intermediate_size"):
@@ -190,10 +226,19 @@ def llama7b_qlora(**overrides) -> TuneConfig:
                          **overrides})
 
 
+def llama7b_qlora_lowmem(**overrides) -> TuneConfig:
+    """The least GPU memory a 7B step takes in tunekit: QLoRA at batch 1, checkpoints and the embedding table
+    in CPU memory, 8-bit AdamW."""
+    return TuneConfig(**{**_llama7b(preset="llama7b_qlora_lowmem", method="qlora", grad_ckpt=True,
+                                    grad_ckpt_offload=True, embed_offload=True, optimizer="adamw8bit",
+                                    batch_size=1), **overrides})
+
+
 PRESETS: dict[str, typing.Callable[..., TuneConfig]] = {
     "tiny": tiny, "llama7b_lora": llama7b_lora, "llama7b_qlora": llama7b_qlora,
+    "llama7b_qlora_lowmem": llama7b_qlora_lowmem,
 }
-GPU_PRESETS = ("llama7b_lora", "llama7b_qlora")
+GPU_PRESETS = ("llama7b_lora", "llama7b_qlora", "llama7b_qlora_lowmem")
 
 
 def get_preset(name: str, **overrides) -> TuneConfig:
@@ -311,6 +356,6 @@ def smoke_mode() -> bool:
 
 
 __all__ = [
-    "TuneConfig", "ConfigError", "tiny", "llama7b_lora", "llama7b_qlora", "PRESETS", "GPU_PRESETS",
+    "TuneConfig", "ConfigError", "tiny", "llama7b_lora", "llama7b_qlora", "llama7b_qlora_lowmem", "PRESETS", "GPU_PRESETS",
     "get_preset", "parse_overrides", "resolve", "save_config", "load_config", "config_dict", "smoke_mode",
 ]

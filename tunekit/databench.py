@@ -106,16 +106,16 @@ def run_train_experiment(cfg: TuneConfig, steps: int = 15, warmup: int = 3, verb
     tokenizer = tr.build_tokenizer(cfg, records)
     tokenized, stats = data.tokenize_dataset(records, tokenizer, cfg.max_length, source=cfg.data)
     model = tr.build_training_model(cfg, len(tokenizer), device, dtype, verbose=verbose)
-    optimizer = tr.build_optimizer(model, cfg.lr, cfg.weight_decay, device)
+    optimizer = tr.build_optimizer(model, cfg.lr, cfg.weight_decay, device, cfg.optimizer)
     scheduler = tr.build_scheduler(optimizer, cfg.warmup_steps, 10**9, cfg.min_lr_ratio)
-    autocast_dtype = dtype if dtype != torch.float32 and device == "cuda" else None
+    options = tr.step_options(cfg, device, dtype)
     pad = tokenizer.pad_token_id
     bs, seed = cfg.batch_size, cfg.seed
     workers = data.default_num_workers()
     pin = device == "cuda"
 
     def step(batch):
-        tr.train_step(model, [batch], optimizer, scheduler, cfg.max_grad_norm, autocast_dtype)
+        tr.train_step(model, [batch], optimizer, scheduler, cfg.max_grad_norm, **options)
 
     inloop = InLoopTokenized(records, tokenizer, cfg.max_length, cfg.data)
     article = dict(num_workers=workers, pin_memory=pin, prefetch_factor=4, persistent_workers=True)

@@ -164,17 +164,28 @@ def load_quantized(name_or_path: str, device: str = "cuda", attention: str = "sd
     return model.train()
 
 
-def apply_lora(model, r: int = 16, alpha: int = 32, dropout: float = 0.0, targets: str = "all-linear"):
+def apply_lora(model, r: int = 16, alpha: int = 32, dropout: float = 0.0, targets: str = "all-linear",
+               cast_input: bool = True):
     """Freeze the base model and add LoRA adapters to `targets` (every linear layer but the LM head by
-    default). Adapter weights are kept in fp32 (peft's default) while the base may be bf16 or 4-bit."""
+    default). Adapter weights are kept in fp32 (peft's default) while the base may be bf16 or 4-bit.
+
+    `cast_input=False` stops peft casting each adapter's input to fp32: under bf16 autocast the input is
+    cast straight back, so the numbers are unchanged, but each cast makes a copy that autograd keeps
+    (8 bytes a token per hidden unit per layer for all-linear; tests/test_memory.py measures it)."""
     from peft import LoraConfig, get_peft_model
+    from peft.tuners.tuners_utils import BaseTunerLayer
 
     target = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target,
                         task_type="CAUSAL_LM", bias="none")
     with warnings.catch_warnings():  # peft reads a property that transformers 5 deprecated; not ours to fix
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        return get_peft_model(model, config)
+        model = get_peft_model(model, config)
+    if not cast_input:  # what peft.helpers.disable_input_dtype_casting does, for good rather than in a `with`
+        for module in model.modules():
+            if isinstance(module, BaseTunerLayer):
+                module.cast_input_dtype_enabled = False
+    return model
 
 
 def count_parameters(model) -> tuple[int, int]:

@@ -35,6 +35,29 @@ def pick_preset(gpu_preset: str) -> str:
     return "tiny"
 
 
+GPU_ONLY = {"method": ("qlora", "lora"), "optimizer": ("adamw8bit", "adamw")}  # (GPU value, its CPU stand-in)
+
+
+def config_for(gpu_preset: str, **overrides):
+    """The config a notebook cell measures: `gpu_preset` with `overrides` on a GPU; on CPU (smoke mode) the
+    tiny preset with the same switches, at most batch 8 x 128 tokens, and the GPU-only ones swapped for
+    their stand-ins (QLoRA -> LoRA and 8-bit AdamW -> AdamW: bitsandbytes needs CUDA), so every cell runs."""
+    from tunekit.config import get_preset, tiny
+
+    if on_gpu():
+        return get_preset(gpu_preset, **overrides)
+    gpu_fields = get_preset(gpu_preset)
+    keep = ("method", "grad_ckpt", "grad_ckpt_offload", "embed_offload", "optimizer", "loss", "lora_input_cast",
+            "attention", "sdpa_backend", "batch_size")
+    kw = {k: getattr(gpu_fields, k) for k in keep}
+    kw.update({k: v for k, v in overrides.items() if k in keep or k in ("bench_warmup", "bench_steps")})
+    for field, (gpu_value, cpu_value) in GPU_ONLY.items():
+        if kw.get(field) == gpu_value:
+            kw[field] = cpu_value
+    kw["batch_size"] = min(kw["batch_size"], 8)
+    return tiny(**kw, vocab_size=1024, max_length=128, out_dir=str(REPO_ROOT / "runs" / "smoke"))
+
+
 def results_dir() -> Path:
     """Where this run's results go: the published folder on a GPU, a scratch folder in smoke mode, so a
     CPU run never overwrites the GPU results the notebooks are read with."""

@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tunekit import checkpoint, data, memory, model as mdl
-from tunekit.attention import choose_attention
+from tunekit import checkpoint, data, loss as loss_fn, memory, model as mdl
+from tunekit.attention import choose_attention, sdpa_backends, sdpa_context
 from tunekit.config import GPU_PRESETS, TuneConfig, save_config
 
 # ---- building the pieces from a config ---------------------------------------------------------------
@@ -97,7 +97,7 @@ def prepare(cfg: TuneConfig, num_proc: int | None = None, verbose: bool = True):
 
 def build_training_model(cfg: TuneConfig, vocab_size: int, device: str, dtype: torch.dtype, verbose: bool = True):
     """The model as it will train: base weights (random init, hub or local), LoRA/QLoRA, checkpointing."""
-    attn, why = choose_attention(cfg.attention, device)
+    attn, why = choose_attention(cfg.attention, device, packed=cfg.packing == "pack")
     arch = mdl.llama_config(cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.intermediate_size,
                             cfg.vocab_size or vocab_size, cfg.num_kv_heads, max(cfg.max_length, 2048))
     if cfg.vocab_size and vocab_size > cfg.vocab_size:
@@ -106,25 +106,49 @@ def build_training_model(cfg: TuneConfig, vocab_size: int, device: str, dtype: t
     if cfg.method == "qlora":
         source = cfg.model or str(mdl.save_random_init(arch, torch.bfloat16, cfg.seed))
         model = mdl.load_quantized(source, device, attn)
+        if cfg.peft_kbit_prepare:  # peft's guides; upcasts the non-4-bit weights to fp32 (measured in lesson 2)
+            from peft import prepare_model_for_kbit_training
+
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     else:
         model = mdl.build_model(arch, cfg.model, dtype, device, attn, cfg.seed)
     if cfg.method in ("lora", "qlora"):
         torch.manual_seed(cfg.seed + 1)
-        model = mdl.apply_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets)
+        model = mdl.apply_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets,
+                               cast_input=cfg.lora_input_cast)
     if cfg.grad_ckpt:
-        memory.apply_gradient_checkpointing(model)
+        memory.apply_gradient_checkpointing(model, offload=cfg.grad_ckpt_offload)
+    if cfg.embed_offload:
+        memory.offload_embeddings(model)
+        if device == "cuda":
+            torch.cuda.empty_cache()
     model.train()
     memory.check_checkpointing(model, cfg.grad_ckpt)
+    if cfg.loss == "chunked" and (blocker := loss_fn.fused_loss_blocker(model)):
+        raise ValueError(f"config field 'loss' = 'chunked': {blocker}; use --loss plain for this model.")
     if verbose:
         trainable, total = mdl.count_parameters(model)
         source = cfg.model or "random init (no pretrained knowledge: speed and memory match real weights, the loss starts from noise)"
         print(f"model: {total / 1e6:.1f}M params, {trainable / 1e6:.2f}M trainable ({cfg.method}), {source}")
-        print(f"attention: {why}; dtype {dtype}; checkpointing {'on' if cfg.grad_ckpt else 'off'}; device {device}")
+        ckpt = ("on, offloaded to CPU" if cfg.grad_ckpt_offload else "on") if cfg.grad_ckpt else "off"
+        print(f"attention: {why}; {sdpa_backends(cfg.sdpa_backend, device)[1]}")
+        print(f"dtype {dtype}; checkpointing {ckpt}; loss {cfg.loss}; optimizer {cfg.optimizer}; device {device}")
     return model
 
 
-def build_optimizer(model, lr: float, weight_decay: float, device: str) -> torch.optim.Optimizer:
+def build_optimizer(model, lr: float, weight_decay: float, device: str, name: str = "adamw") -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters: `adamw` (torch, fused into one kernel on CUDA) or `adamw8bit`
+    (bitsandbytes: states quantized block-wise to 8 bits, https://arxiv.org/abs/2110.02861)."""
     params = [p for p in model.parameters() if p.requires_grad]
+    if name == "adamw8bit":
+        if device != "cuda":
+            raise RuntimeError("optimizer=adamw8bit needs a CUDA GPU (bitsandbytes' 8-bit optimizers); "
+                               "use --optimizer adamw on CPU.")
+        try:
+            import bitsandbytes as bnb
+        except ImportError:
+            raise RuntimeError("optimizer=adamw8bit needs bitsandbytes: pip install bitsandbytes") from None
+        return bnb.optim.AdamW8bit(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
     fused = device == "cuda"  # one kernel for every tensor; on CPU the default foreach path is as good
     return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, fused=fused)
 
@@ -149,32 +173,54 @@ def count_targets(micro_batches: list[dict]) -> int:
     return sum(int((b["labels"][:, 1:] != data.IGNORE).sum()) for b in micro_batches)
 
 
-def micro_step(model, batch: dict, n_targets: int, autocast_dtype: torch.dtype | None) -> torch.Tensor:
+def micro_step(model, batch: dict, n_targets: int, autocast_dtype: torch.dtype | None,
+               loss: str = "plain") -> torch.Tensor:
     """Forward and backward on one micro-batch; returns its share of the step loss (detached).
 
-    Labels are shifted rather than logits sliced, which would copy the largest tensor of the step."""
+    Labels are shifted rather than logits sliced, which would copy the largest tensor of the step.
+    `loss="chunked"` computes the LM head and the loss together, never holding the logits (tunekit/loss.py)."""
     device_type = batch["input_ids"].device.type
-    with torch.autocast(device_type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
-        # position_ids restart at each packed sample: transformers then masks attention per sample.
-        logits = model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"), use_cache=False).logits
     labels = F.pad(batch["labels"][:, 1:], (0, 1), value=data.IGNORE)
-    loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.reshape(-1),
-                           ignore_index=data.IGNORE, reduction="sum") / n_targets
-    loss.backward()
-    return loss.detach()
+    # position_ids restart at each packed sample: transformers then masks attention per sample.
+    inputs = {"input_ids": batch["input_ids"], "position_ids": batch.get("position_ids")}
+    with torch.autocast(device_type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+        if loss == "chunked":
+            hidden, head = loss_fn.hidden_and_head(model, **inputs)
+        else:
+            logits = model(**inputs, use_cache=False).logits
+    if loss == "chunked":
+        dtype = autocast_dtype or hidden.dtype  # the head's matmul runs in the autocast dtype, as it would inside
+        head = head.to(hidden.device, dtype, non_blocking=True)  # (a head kept in CPU memory comes over here)
+        value = loss_fn.chunked_lm_loss(hidden.to(dtype), head, labels, 1.0 / n_targets)
+        del head
+    else:
+        value = F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.reshape(-1),
+                                ignore_index=data.IGNORE, reduction="sum") / n_targets
+    value.backward()
+    return value.detach()
 
 
 def train_step(model, micro_batches: list[dict], optimizer, scheduler, max_grad_norm: float,
-               autocast_dtype: torch.dtype | None) -> dict:
-    """One optimizer step over `micro_batches` (already on the device)."""
+               autocast_dtype: torch.dtype | None, loss: str = "plain", sdpa_backends=None) -> dict:
+    """One optimizer step over `micro_batches` (already on the device).
+
+    `sdpa_backends` (from `attention.sdpa_backends`) holds for forward *and* backward: checkpointing
+    recomputes attention in backward."""
     n_targets = max(1, count_targets(micro_batches))
-    loss = sum(micro_step(model, b, n_targets, autocast_dtype) for b in micro_batches)
+    with sdpa_context(sdpa_backends):
+        value = sum(micro_step(model, b, n_targets, autocast_dtype, loss) for b in micro_batches)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss, "grad_norm": grad_norm, "targets": n_targets}
+    return {"loss": value, "grad_norm": grad_norm, "targets": n_targets}
+
+
+def step_options(cfg: TuneConfig, device: str, dtype: torch.dtype) -> dict:
+    """The keyword arguments of `train_step` that a config decides."""
+    return {"autocast_dtype": dtype if dtype != torch.float32 and device == "cuda" else None,
+            "loss": cfg.loss, "sdpa_backends": sdpa_backends(cfg.sdpa_backend, device)[0]}
 
 
 def to_device(batch: dict, device: str) -> dict:
@@ -214,9 +260,9 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
         raise ValueError(f"{cfg.data}: {len(ds)} samples, fewer than one batch of {cfg.batch_size}.")
     torch.manual_seed(cfg.seed)
     model = build_training_model(cfg, len(tokenizer), device, dtype, verbose=progress)
-    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, device)
+    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, device, cfg.optimizer)
     scheduler = build_scheduler(optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
-    autocast_dtype = dtype if dtype != torch.float32 and device == "cuda" else None
+    options = step_options(cfg, device, dtype)
 
     step, epoch, start_batch = 0, 0, 0
     metrics_file = run_dir / "metrics.jsonl"
@@ -249,7 +295,7 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
                 epoch, index, batch = next(stream)
                 tokens_since += int(batch.pop("attention_mask").sum())  # real tokens, counted on the host
                 micro.append(to_device(batch, device))
-            out = train_step(model, micro, optimizer, scheduler, cfg.max_grad_norm, autocast_dtype)
+            out = train_step(model, micro, optimizer, scheduler, cfg.max_grad_norm, **options)
             step += 1
             loss = out["loss"].item()
             losses.append(loss)
