@@ -54,12 +54,12 @@ def test_sdpa_matches_eager(tokenizer, small_data):
 # ---- choose_attention with packed rows ------------------------------------------------------------
 
 
-def test_packed_auto_keeps_sdpa_and_points_at_flex(monkeypatch):
+def test_packed_auto_takes_flex_on_cuda_without_flash_attn(monkeypatch):
     monkeypatch.setattr(attention, "flash_attn_available", lambda: False)
     plain = attention.choose_attention("auto", "cuda")
     packed = attention.choose_attention("auto", "cuda", packed=True)
-    assert plain[0] == packed[0] == "sdpa"
-    assert "--attention flex_attention" in packed[1] and "flex" not in plain[1]
+    assert plain[0] == "sdpa" and packed[0] == "flex_attention"
+    assert "packed rows" in packed[1] and "flex" not in plain[1]
     assert attention.choose_attention("auto", "cpu", packed=True) == attention.choose_attention("auto", "cpu")
     monkeypatch.setattr(attention, "flash_attn_available", lambda: True)
     assert attention.choose_attention("auto", "cuda", packed=True)[0] == "flash_attention_2"

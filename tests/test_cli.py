@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from helpers import SMALL_ARCH_ARGS
 
 from tunekit import cli
@@ -175,3 +176,24 @@ def test_estimate_prints_the_parts_and_matches_the_library(capsys):
 def test_estimate_without_vocab_size_exits_2(capsys):
     assert cli.main(["estimate", "--preset", "tiny"]) == 2
     assert "--vocab-size" in capsys.readouterr().err
+
+
+def test_estimate_with_memory_says_what_fits(capsys):
+    assert cli.main(["estimate", "--preset", "llama7b_qlora", "--memory-gb", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "fits 24 GB up to micro-batch" in out and "--batch-size 8" in out
+
+
+def test_estimate_that_cannot_fit_names_what_would(capsys):
+    # bf16 7B LoRA does not fit 10 GB even at batch 1: the message lists the changes and their estimates.
+    assert cli.main(["estimate", "--preset", "llama7b_lora", "--memory-gb", "10"]) == 1
+    out = capsys.readouterr().out
+    assert "even micro-batch 1 does not fit" in out
+    assert "--method qlora" in out and "--grad-ckpt" in out and "--embed-offload" in out
+
+
+def test_fit_needs_a_gpu(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU machine fit runs for real (tests/test_gpu.py)")
+    assert cli.main(["fit", "--preset", "tiny", "--device", "cpu", "--out", str(tmp_path)]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err

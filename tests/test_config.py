@@ -215,3 +215,22 @@ def test_smoke_mode(monkeypatch):
     assert not config.smoke_mode()
     monkeypatch.setenv("TUNEKIT_SMOKE", "1")
     assert config.smoke_mode()
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"grad_ckpt_offload": True}, "grad_ckpt_offload"),  # offload without checkpointing
+    ({"peft_kbit_prepare": True}, "peft_kbit_prepare"),  # k-bit preparation on a 16-bit model
+    ({"method": "full", "embed_offload": True}, "embed_offload"),  # the embeddings train
+    ({"sdpa_backend": "cudnn,turbo"}, "sdpa_backend"),
+    ({"loss": "fused"}, "loss"),
+    ({"optimizer": "lion"}, "optimizer"),
+])
+def test_lesson2_fields_reject_bad_combinations(overrides, field):
+    with pytest.raises(ConfigError, match=f"'{field}'"):
+        config.tiny(**overrides)
+
+
+def test_lowmem_preset_is_valid_and_names_its_savers():
+    cfg = config.llama7b_qlora_lowmem()
+    assert (cfg.method, cfg.batch_size, cfg.optimizer) == ("qlora", 1, "adamw8bit")
+    assert cfg.grad_ckpt and cfg.grad_ckpt_offload and cfg.embed_offload and cfg.loss == "chunked"

@@ -73,6 +73,16 @@ def flops_per_token(hidden: int, layers: int, heads: int, kv_heads: int, interme
     return 2 * matmul * weight_passes + attn * 3 + 6 * lora_params
 
 
+PACKED_DOCS = 4  # samples per row in a packed benchmark batch
+
+
+def packed_positions(rows: int, length: int, docs: int = PACKED_DOCS) -> torch.Tensor:
+    """Position ids of rows that each pack `docs` equal samples: 0..n-1 repeated, so attention is masked
+    per sample (the last sample takes the remainder)."""
+    size = -(-length // docs)
+    return (torch.arange(length) % size).expand(rows, length).clone()
+
+
 def measure_step(step_fn, warmup: int, steps: int, device: str) -> list[float]:
     """Seconds per call of `step_fn` for `steps` calls after `warmup` untimed ones."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -107,7 +117,10 @@ def run_bench(cfg: TuneConfig, name: str = "", verbose: bool = True) -> dict:
     micro = []
     for _ in range(cfg.grad_accum):
         ids = torch.randint(0, vocab, (cfg.batch_size, cfg.max_length), generator=g)
-        micro.append(tr.to_device({"input_ids": ids, "labels": ids.clone()}, device))
+        batch = {"input_ids": ids, "labels": ids.clone()}
+        if cfg.packing == "pack":  # PACKED_DOCS equal samples a row, attending only within themselves
+            batch["position_ids"] = packed_positions(cfg.batch_size, cfg.max_length)
+        micro.append(tr.to_device(batch, device))
 
     def step():
         tr.train_step(model, micro, optimizer, scheduler, cfg.max_grad_norm, **options)
@@ -138,7 +151,9 @@ def run_bench(cfg: TuneConfig, name: str = "", verbose: bool = True) -> dict:
         "step_times_s": [round(t, 5) for t in times], "tokens_per_step": tokens,
         "model_tflops_per_s": round(achieved / 1e12, 2), "mfu": round(achieved / peak, 4) if peak else None,
         "params_total": total, "params_trainable": trainable, "build_s": round(build_s, 1),
-        "weights": cfg.model or "random-init", "data": "random token ids, every position a target",
+        "weights": cfg.model or "random-init",
+        "data": "random token ids, every position a target" + (
+            f"; rows packed with {PACKED_DOCS} samples each" if cfg.packing == "pack" else ""),
         "config": config_dict(cfg), "versions": versions(),
     }
     if verbose:
@@ -253,6 +268,15 @@ def find_micro_batch(cfg: TuneConfig, target_batch: int = 0, memory_gb: float = 
     return result
 
 
+def reusable(path: str | Path, cfg: TuneConfig) -> dict | None:
+    """The result saved at `path` if it was produced with this config on a GPU of this name, else None."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    old = json.loads(path.read_text())
+    return old if old.get("config") == config_dict(cfg) and old.get("gpu") == gpu_name() else None
+
+
 def run_many(configs: dict[str, TuneConfig], out: str | Path, reuse: bool = True, memory_gb: float = 0.0,
              verbose: bool = True) -> dict[str, dict]:
     """Bench each named config in this process, one after another, saving `<out>/<name>.json`.
@@ -270,13 +294,11 @@ def run_many(configs: dict[str, TuneConfig], out: str | Path, reuse: bool = True
     try:
         for name, cfg in configs.items():
             path = out / f"{name}.json"
-            if reuse and path.exists():
-                old = json.loads(path.read_text())
-                if old.get("config") == config_dict(cfg) and old.get("gpu") == gpu_name():
-                    results[name] = old
-                    if verbose:
-                        print(f"{name}: reusing the result of {old['date']} ({path.name})")
-                    continue
+            if reuse and (old := reusable(path, cfg)):
+                results[name] = old
+                if verbose:
+                    print(f"{name}: reusing the result of {old['date']} ({path.name})")
+                continue
             try:
                 results[name] = run_bench(cfg, name, verbose=False)
                 save_result(results[name], out)

@@ -35,20 +35,22 @@ def pick_preset(gpu_preset: str) -> str:
     return "tiny"
 
 
-GPU_ONLY = {"method": ("qlora", "lora"), "optimizer": ("adamw8bit", "adamw")}  # (GPU value, its CPU stand-in)
+# (GPU value, its CPU stand-in); FlexAttention has no backward on CPU
+GPU_ONLY = {"method": ("qlora", "lora"), "optimizer": ("adamw8bit", "adamw"), "attention": ("flex_attention", "sdpa")}
 
 
 def config_for(gpu_preset: str, **overrides):
     """The config a notebook cell measures: `gpu_preset` with `overrides` on a GPU; on CPU (smoke mode) the
     tiny preset with the same switches, at most batch 8 x 128 tokens, and the GPU-only ones swapped for
-    their stand-ins (QLoRA -> LoRA and 8-bit AdamW -> AdamW: bitsandbytes needs CUDA), so every cell runs."""
+    their stand-ins (QLoRA -> LoRA and 8-bit AdamW -> AdamW: bitsandbytes needs CUDA; FlexAttention ->
+    SDPA: flex has no backward on CPU), so every cell runs."""
     from tunekit.config import get_preset, tiny
 
     if on_gpu():
         return get_preset(gpu_preset, **overrides)
     gpu_fields = get_preset(gpu_preset)
     keep = ("method", "grad_ckpt", "grad_ckpt_offload", "embed_offload", "optimizer", "loss", "lora_input_cast",
-            "attention", "sdpa_backend", "batch_size")
+            "attention", "sdpa_backend", "batch_size", "packing")
     kw = {k: getattr(gpu_fields, k) for k in keep}
     kw.update({k: v for k, v in overrides.items() if k in keep or k in ("bench_warmup", "bench_steps")})
     for field, (gpu_value, cpu_value) in GPU_ONLY.items():
