@@ -31,3 +31,23 @@ def read_arith(n: int) -> list[dict]:
 def write_jsonl(path: Path, records: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
+
+
+def small_model(vocab: int, method: str = "lora", ckpt: bool = False, offload: bool = False,
+                cast_input: bool = True):
+    """A SMALL_ARCH random-init Llama; with method='lora', rank-4 adapters whose B is random (peft starts it
+    at zero, which would make every adapter-A gradient zero and hide a wrong one)."""
+    from tunekit import memory
+    from tunekit import model as mdl
+
+    model = mdl.build_model(mdl.llama_config(vocab_size=vocab, **SMALL_ARCH), seed=0)
+    if method == "lora":
+        torch.manual_seed(1)
+        model = mdl.apply_lora(model, r=4, alpha=8, cast_input=cast_input)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.02)
+    if ckpt:
+        memory.apply_gradient_checkpointing(model, offload=offload)
+    return model

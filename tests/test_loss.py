@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import SMALL_ARCH
+from helpers import SMALL_ARCH, small_model
 
 from tunekit import data, loss, memory, train
 from tunekit import model as mdl
@@ -59,17 +59,8 @@ def batch(tokenizer, small_data):
     return data.Collator(tokenizer.pad_token_id)([ds[i] for i in range(4)])
 
 
-def step_grads(vocab, batch, method, loss_name, autocast=None, ckpt=False):
-    model = mdl.build_model(mdl.llama_config(vocab_size=vocab, **SMALL_ARCH), seed=0)
-    if method == "lora":
-        torch.manual_seed(1)
-        model = mdl.apply_lora(model, r=4, alpha=8, cast_input=False)
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_B" in n:
-                    p.normal_(0, 0.02)
-    if ckpt:
-        memory.apply_gradient_checkpointing(model)
+def step_grads(vocab, batch, method, loss_name, autocast=None):
+    model = small_model(vocab, method, cast_input=False)
     batch = {k: v for k, v in batch.items() if k != "attention_mask"}
     value = train.micro_step(model, batch, train.count_targets([batch]), autocast, loss_name)
     return value, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -102,14 +93,7 @@ def test_offloaded_checkpointing_keeps_gradients(tokenizer, batch):
     l0, g0 = step_grads(len(tokenizer), batch, "lora", "chunked")
     model_grads = []
     for offload in (False, True):
-        model = mdl.build_model(mdl.llama_config(vocab_size=len(tokenizer), **SMALL_ARCH), seed=0)
-        torch.manual_seed(1)
-        model = mdl.apply_lora(model, r=4, alpha=8, cast_input=False)
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_B" in n:
-                    p.normal_(0, 0.02)
-        memory.apply_gradient_checkpointing(model, offload=offload)
+        model = small_model(len(tokenizer), "lora", ckpt=True, offload=offload, cast_input=False)
         assert memory.checkpointing_active(model)
         b = {k: v for k, v in batch.items() if k != "attention_mask"}
         packed = []

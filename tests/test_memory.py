@@ -7,24 +7,14 @@ import json
 
 import pytest
 import torch
-from helpers import SMALL_ARCH
+from helpers import small_model
 
 from tunekit import config, data, memory, train
 from tunekit import model as mdl
 
 
 def build(vocab: int, method: str, ckpt: bool):
-    model = mdl.build_model(mdl.llama_config(vocab_size=vocab, **SMALL_ARCH), seed=0)
-    if method == "lora":
-        torch.manual_seed(1)
-        model = mdl.apply_lora(model, r=4, alpha=8)
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_B" in n:
-                    p.normal_(0, 0.02)
-    if ckpt:
-        memory.apply_gradient_checkpointing(model)
-    return model
+    return small_model(vocab, method, ckpt)
 
 
 def first_attention(model):
