@@ -36,21 +36,6 @@ def test_auto_on_cuda_depends_on_flash_attn(monkeypatch):
     assert impl == "sdpa" and "not installed" in why
 
 
-def test_sdpa_matches_eager(tokenizer, small_data):
-    ds, _ = data.tokenize_dataset(data.load_records(str(small_data)), tokenizer, 128)
-    batch = data.Collator(tokenizer.pad_token_id)([ds[i] for i in range(6)])
-    ids, real = batch["input_ids"], batch["attention_mask"].bool()
-    out = {}
-    for impl in ("eager", "sdpa"):
-        model = mdl.build_model(mdl.llama_config(vocab_size=len(tokenizer), **SMALL_ARCH), attention=impl, seed=0)
-        logits = model(input_ids=ids).logits
-        logits[real].float().logsumexp(-1).sum().backward()
-        out[impl] = (logits.detach(), {n: p.grad for n, p in model.named_parameters()})
-    torch.testing.assert_close(out["sdpa"][0][real], out["eager"][0][real], rtol=1e-5, atol=1e-5)
-    for name, g in out["eager"][1].items():
-        torch.testing.assert_close(out["sdpa"][1][name], g, rtol=1e-4, atol=1e-6, msg=name)
-
-
 # ---- choose_attention with packed rows ------------------------------------------------------------
 
 
@@ -161,9 +146,10 @@ def test_sdpa_kernel_matches_eager_op(name, docs):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5, msg=f"grad {n}")
 
 
-@pytest.mark.parametrize("name", CPU_KERNELS)
+@pytest.mark.parametrize("name", ["auto", *CPU_KERNELS])  # auto: PyTorch's own order on CPU
 def test_tiny_model_under_sdpa_context_matches_eager(name, tokenizer, small_data):
-    _skip_if_not_on_cpu(name)
+    if name != "auto":
+        _skip_if_not_on_cpu(name)
     ds, _ = data.tokenize_dataset(data.load_records(str(small_data)), tokenizer, 128)
     batch = data.Collator(tokenizer.pad_token_id)([ds[i] for i in range(4)])
     ids, real = batch["input_ids"], batch["attention_mask"].bool()

@@ -18,7 +18,7 @@ def build(vocab: int, method: str, ckpt: bool):
 
 
 def first_attention(model):
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = mdl.base_model(model)
     return base.model.layers[0].self_attn
 
 
@@ -97,7 +97,7 @@ def measure_saved_bytes(layers: int, method: str, ckpt: bool, peft_cast: bool = 
         if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in params:
             seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = mdl.base_model(model)
     for layer in base.model.layers:
         if ckpt:
             inner = layer._gradient_checkpointing_func

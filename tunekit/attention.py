@@ -178,12 +178,17 @@ def sdpa_context(backends: list[SDPBackend] | None):
 # ---- the op microbenchmark ------------------------------------------------------------------------
 
 
+def document_ids(seq: int, docs: int = 1, device: str = "cpu") -> torch.Tensor:
+    """Which document each position of a packed row of `docs` near-equal documents belongs to."""
+    return torch.arange(seq, device=device) * docs // seq
+
+
 def document_mask(seq: int, docs: int = 1, causal: bool = True, device: str = "cpu") -> torch.Tensor | None:
     """Boolean (seq, seq) mask, True where a query may attend a key: a packed row of `docs` near-equal
     documents, each causal within itself. None when nothing is masked (one document, not causal)."""
     if docs <= 1 and not causal:
         return None
-    doc = torch.arange(seq, device=device) * docs // seq
+    doc = document_ids(seq, docs, device)
     keep = doc[:, None] == doc[None, :]
     return keep & torch.ones(seq, seq, dtype=torch.bool, device=device).tril() if causal else keep
 
@@ -229,7 +234,7 @@ def _attention_fn(name: str, seq: int, docs: int, causal: bool, groups: int, dev
 
         block_mask = None
         if mask is not None:
-            doc = torch.arange(seq, device=device) * docs // seq
+            doc = document_ids(seq, docs, device)
 
             def mask_mod(b, h, qi, ki):
                 same = doc[qi] == doc[ki]
@@ -247,7 +252,7 @@ def _attention_fn(name: str, seq: int, docs: int, causal: bool, groups: int, dev
         if docs <= 1:
             return lambda q, k, v: flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)),
                                                    causal=causal).transpose(1, 2)
-        lengths = torch.bincount(torch.arange(seq) * docs // seq)  # flash-attn's varlen path, as for packing
+        lengths = torch.bincount(document_ids(seq, docs))  # flash-attn's varlen path, as for packing
         longest = int(lengths.max())
         cu = {}  # cumulative row starts on the GPU, built once per batch size (a copy per call would sync)
 

@@ -108,11 +108,8 @@ def run_bench(cfg: TuneConfig, name: str = "", verbose: bool = True) -> dict:
     torch.manual_seed(cfg.seed)
     memory.reset_peak_memory(device)
     t0 = time.perf_counter()
-    model = tr.build_training_model(cfg, vocab, device, dtype, verbose=verbose)
+    model, optimizer, scheduler, options = tr.build_training(cfg, vocab, device, dtype, 10**9, verbose)
     build_s = time.perf_counter() - t0
-    optimizer = tr.build_optimizer(model, cfg.lr, cfg.weight_decay, device, cfg.optimizer)
-    scheduler = tr.build_scheduler(optimizer, cfg.warmup_steps, 10**9, cfg.min_lr_ratio)
-    options = tr.step_options(cfg, device, dtype)
     g = torch.Generator().manual_seed(cfg.seed)
     micro = []
     for _ in range(cfg.grad_accum):
@@ -217,10 +214,7 @@ def find_micro_batch(cfg: TuneConfig, target_batch: int = 0, memory_gb: float = 
         limit_memory(memory_gb)
     vocab = cfg.vocab_size or len(tr.build_tokenizer(cfg))
     torch.manual_seed(cfg.seed)
-    model = tr.build_training_model(cfg, vocab, device, dtype, verbose=verbose)
-    optimizer = tr.build_optimizer(model, cfg.lr, cfg.weight_decay, device, cfg.optimizer)
-    scheduler = tr.build_scheduler(optimizer, cfg.warmup_steps, 10**9, cfg.min_lr_ratio)
-    options = tr.step_options(cfg, device, dtype)
+    model, optimizer, scheduler, options = tr.build_training(cfg, vocab, device, dtype, 10**9, verbose)
     trials: list[dict] = []
 
     def fits(b: int) -> bool:

@@ -105,10 +105,7 @@ def run_train_experiment(cfg: TuneConfig, steps: int = 15, warmup: int = 3, verb
     records = data.load_records(cfg.data)
     tokenizer = tr.build_tokenizer(cfg, records)
     tokenized, stats = data.tokenize_dataset(records, tokenizer, cfg.max_length, source=cfg.data)
-    model = tr.build_training_model(cfg, len(tokenizer), device, dtype, verbose=verbose)
-    optimizer = tr.build_optimizer(model, cfg.lr, cfg.weight_decay, device, cfg.optimizer)
-    scheduler = tr.build_scheduler(optimizer, cfg.warmup_steps, 10**9, cfg.min_lr_ratio)
-    options = tr.step_options(cfg, device, dtype)
+    model, optimizer, scheduler, options = tr.build_training(cfg, len(tokenizer), device, dtype, 10**9, verbose)
     pad = tokenizer.pad_token_id
     bs, seed = cfg.batch_size, cfg.seed
     workers = data.default_num_workers()

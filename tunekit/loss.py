@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from tunekit.model import base_model
+
 IGNORE = -100
 DEFAULT_CHUNK_ELEMENTS = 2**25  # logits per chunk: 1024 tokens at a 32k vocabulary, ~0.27 GB in fp32
 
@@ -88,7 +90,7 @@ def fused_loss_blocker(model) -> str:
 
     It needs a decoder (`model.model`) whose output goes through a bias-free linear head and nothing else
     (no logit soft-capping or scaling, as Gemma 2 or Cohere have)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     if not hasattr(base, "model") or head is None:
         return f"{type(base).__name__} has no separate decoder and LM head"
@@ -102,6 +104,6 @@ def fused_loss_blocker(model) -> str:
 
 def hidden_and_head(model, input_ids, position_ids=None):
     """The decoder's last hidden states and the LM head's weight, skipping the logits."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     hidden = base.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
     return hidden, base.get_output_embeddings().weight

@@ -55,6 +55,7 @@ from __future__ import annotations
 import torch
 
 from tunekit.loss import chunk_tokens
+from tunekit.model import base_model
 
 
 def apply_gradient_checkpointing(model: torch.nn.Module, offload: bool = False) -> None:
@@ -65,7 +66,7 @@ def apply_gradient_checkpointing(model: torch.nn.Module, offload: bool = False) 
     x 2 bytes less GPU memory, for a device-to-host and a host-to-device copy of each."""
     from torch.utils.checkpoint import checkpoint
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     kwargs = {"use_reentrant": False}
     if hasattr(base, "activation_checkpointing_enable"):  # the transformers >= 5.2x name
         base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
@@ -106,10 +107,9 @@ class HostLinear(torch.nn.Module):
     """A frozen, bias-free linear layer (the LM head) kept in pinned CPU memory and copied to the GPU each
     time it is used. The chunked loss uses the copy for the loss alone and drops it before the backward."""
 
-    def __init__(self, linear: torch.nn.Linear, device: torch.device | str):
+    def __init__(self, linear: torch.nn.Linear):
         super().__init__()
         self.weight = torch.nn.Parameter(_pinned(linear.weight), requires_grad=False)
-        self.device = torch.device(device)
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -126,22 +126,20 @@ def offload_embeddings(model: torch.nn.Module) -> None:
     for LoRA/QLoRA, where neither trains, 2 x 2 x vocab x hidden bytes of GPU memory (0.52 GB for
     Llama-2-7B; during the loss the head is back for a moment), for a copy of the head each micro-step
     (0.26 GB, ~10 ms over PCIe) and a wait for the token ids to reach the host."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     table, head = base.get_input_embeddings(), base.get_output_embeddings()
     if table.weight.requires_grad or (head is not None and head.weight.requires_grad):
         raise ValueError("embed_offload: the embeddings train (full fine-tuning); only frozen tables can "
                          "live on the CPU. Use it with --method lora or qlora.")
-    device = table.weight.device
-    base.set_input_embeddings(HostEmbedding(table, device))
+    base.set_input_embeddings(HostEmbedding(table, table.weight.device))
     tied = head is not None and head.weight is table.weight
     if isinstance(head, torch.nn.Linear) and head.bias is None and not tied:
-        base.set_output_embeddings(HostLinear(head, device))
-    del table, head
+        base.set_output_embeddings(HostLinear(head))
 
 
 def checkpointing_active(model: torch.nn.Module) -> bool:
     """True when checkpointing is on *and* will actually run (the blocks are in train mode)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     flag = getattr(base, "is_activation_checkpointing", None)  # transformers >= 5.x name
     if flag is None:
         flag = getattr(base, "is_gradient_checkpointing", False)
@@ -180,7 +178,7 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 NF4_BYTES = 0.5 + 0.127 / 8  # 4 bits a weight + double-quantized absmax constants (QLoRA paper, sec. 3)
 OVERHEAD_BYTES = int(0.25e9)  # cuBLAS workspaces, bnb dequant buffer, small transients
 CUDA_CONTEXT_BYTES = int(0.75e9)  # driver context + kernels; not in max_memory_allocated
-OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw8bit": 2, "sgd": 0}  # per trainable parameter (adamw: fp32 params)
+OPTIMIZERS = ("adamw", "adamw8bit", "sgd")  # AdamW: 2 states in the parameter's dtype; 8-bit: 2 bytes; SGD: none
 
 
 def _lora_modules(method: str, lora_targets: str) -> tuple[str, ...]:
@@ -242,11 +240,12 @@ def estimate_saved_activations(hidden: int, layers: int, heads: int, kv_heads: i
                                vocab: int, seq: int, batch: int, method: str, lora_r: int = 16,
                                lora_targets: str = "all-linear", grad_ckpt: bool = False,
                                lora_input_cast: bool = True, loss: str = "plain", offload: bool = False,
-                               stream_bytes: int = 2, scores: bool = False) -> dict:
+                               stream_bytes: int = 2, scores_per_token: int = 0) -> dict:
     """Bytes held for backward on the GPU at the end of the forward pass: `layers` (decoder layers, or their
     saved inputs under checkpointing, none when offloaded), `rest` (embedding, final norm, LM head, RoPE
     tables, labels) and `log_softmax` (its fp32 output; the chunked loss keeps none), plus `total`.
-    `stream_bytes` is the residual stream's dtype size (4 when peft's k-bit preparation upcast it)."""
+    `stream_bytes` is the residual stream's dtype size (4 when peft's k-bit preparation upcast it);
+    `scores_per_token` is as in `estimate_layer_activations`."""
     T = batch * seq
     full = method == "full"
     if grad_ckpt:
@@ -254,8 +253,7 @@ def estimate_saved_activations(hidden: int, layers: int, heads: int, kv_heads: i
     else:
         per_layer = [estimate_layer_activations(hidden, heads, kv_heads, intermediate, T, method, lora_r,
                                                 lora_targets, input_needs_grad=full or i > 0,
-                                                lora_input_cast=lora_input_cast,
-                                                scores_per_token=heads * seq if scores else 0)
+                                                lora_input_cast=lora_input_cast, scores_per_token=scores_per_token)
                      for i in range(layers)]
     rest = 4 * T * hidden + 4 * T  # final norm: fp32 upcast + rstd
     if full:
@@ -282,8 +280,8 @@ def estimate_memory(hidden: int, layers: int, heads: int, kv_heads: int, interme
     `cuda_context` and `device_total` (= total + cuda_context)."""
     if method not in ("full", "lora", "qlora"):
         raise ValueError(f"method: {method!r}; use 'full', 'lora' or 'qlora'")
-    if optimizer not in OPTIMIZER_STATE_BYTES:
-        raise ValueError(f"optimizer: {optimizer!r}; the estimator knows {', '.join(OPTIMIZER_STATE_BYTES)}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer: {optimizer!r}; the estimator knows {', '.join(OPTIMIZERS)}")
     if loss not in ("chunked", "plain"):
         raise ValueError(f"loss: {loss!r}; use 'chunked' or 'plain'")
     T = batch * seq
@@ -292,28 +290,28 @@ def estimate_memory(hidden: int, layers: int, heads: int, kv_heads: int, interme
     other = 2 * vocab * hidden + (2 * layers + 1) * hidden  # embeddings, LM head (untied), norms
     adapted = _lora_modules(method, lora_targets)
     lora = layers * sum(lora_r * sum(shapes[n]) for n in adapted)
-    kbit_prepare = kbit_prepare and method == "qlora"
-    if method == "qlora":  # peft's k-bit preparation upcasts the non-4-bit weights to fp32
-        weights = int(linear * NF4_BYTES) + (4 if kbit_prepare else 2) * other
+    # peft's k-bit preparation upcasts QLoRA's non-4-bit weights, and with them the residual stream, to fp32
+    other_bytes = 4 if kbit_prepare and method == "qlora" else 2
+    if method == "qlora":
+        weights = int(linear * NF4_BYTES) + other_bytes * other
     else:
         weights = weight_dtype_bytes * (linear + other)
     embed_offload = embed_offload and method != "full"
     if embed_offload:  # the input table and the LM head live in CPU memory
-        weights -= 2 * (4 if kbit_prepare else 2) * vocab * hidden
+        weights -= 2 * other_bytes * vocab * hidden
     trainable, train_bytes = (linear + other, weight_dtype_bytes) if method == "full" else (lora, 4)
-    states = OPTIMIZER_STATE_BYTES[optimizer]
+    states = {"adamw": 2 * train_bytes, "adamw8bit": 2, "sgd": 0}[optimizer]  # (8-bit block scales are ~0.1%)
     parts = {
         "weights": weights,
         "lora": 4 * lora,
-        # AdamW: 2 states in the parameter's dtype; AdamW8bit: 2 one-byte states (block scales are ~0.1%)
-        "optimizer": (2 * train_bytes if optimizer == "adamw" else states) * trainable,
+        "optimizer": states * trainable,
         "gradients": train_bytes * trainable,
     }
+    scores = heads * seq if attention_scores else 0
     saved = estimate_saved_activations(hidden, layers, heads, kv_heads, intermediate, vocab, seq, batch,
                                        method, lora_r, lora_targets, grad_ckpt, lora_input_cast, loss, offload,
-                                       stream_bytes=4 if kbit_prepare else 2, scores=attention_scores)
+                                       stream_bytes=other_bytes, scores_per_token=scores)
     parts["activations"] = saved["layers"] + saved["rest"]
-    scores = heads * seq if attention_scores else 0
     parts["recompute"] = (estimate_layer_activations(hidden, heads, kv_heads, intermediate, T, method, lora_r,
                                                      lora_targets, lora_input_cast=lora_input_cast,
                                                      scores_per_token=scores)
@@ -419,7 +417,7 @@ def cannot_fit_message(config: dict, budget_bytes: float) -> str:
     if config.get("grad_ckpt") and not config.get("grad_ckpt_offload"):
         options.append(("--grad-ckpt-offload (checkpoints in CPU memory)", {"grad_ckpt_offload": True}))
     if config.get("method") != "full" and not config.get("embed_offload"):
-        options.append(("--embed-offload (input embeddings in CPU memory)", {"embed_offload": True}))
+        options.append(("--embed-offload (embeddings and LM head in CPU memory)", {"embed_offload": True}))
     if config.get("optimizer") == "adamw" and config.get("method") != "full":
         options.append(("--optimizer adamw8bit", {"optimizer": "adamw8bit"}))
     seq = config["max_length"]

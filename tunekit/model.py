@@ -188,6 +188,11 @@ def apply_lora(model, r: int = 16, alpha: int = 32, dropout: float = 0.0, target
     return model
 
 
+def base_model(model):
+    """The transformers model itself: under a PEFT wrapper, the model it wraps."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def count_parameters(model) -> tuple[int, int]:
     """(trainable, total). 4-bit weights are packed two to a byte; count the weights they stand for."""
     trainable = total = 0

@@ -136,6 +136,16 @@ def build_training_model(cfg: TuneConfig, vocab_size: int, device: str, dtype: t
     return model
 
 
+def build_training(cfg: TuneConfig, vocab_size: int, device: str, dtype: torch.dtype, max_steps: int,
+                   verbose: bool = True):
+    """(model, optimizer, scheduler, `train_step` options) for a config: everything a step needs.
+    Benchmarks pass a huge `max_steps`, so the learning rate never decays while they time."""
+    model = build_training_model(cfg, vocab_size, device, dtype, verbose=verbose)
+    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, device, cfg.optimizer)
+    scheduler = build_scheduler(optimizer, cfg.warmup_steps, max_steps, cfg.min_lr_ratio)
+    return model, optimizer, scheduler, step_options(cfg, device, dtype)
+
+
 def build_optimizer(model, lr: float, weight_decay: float, device: str, name: str = "adamw") -> torch.optim.Optimizer:
     """AdamW over the trainable parameters: `adamw` (torch, fused into one kernel on CUDA) or `adamw8bit`
     (bitsandbytes: states quantized block-wise to 8 bits, https://arxiv.org/abs/2110.02861)."""
@@ -259,10 +269,7 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
     if len(ds) < cfg.batch_size:
         raise ValueError(f"{cfg.data}: {len(ds)} samples, fewer than one batch of {cfg.batch_size}.")
     torch.manual_seed(cfg.seed)
-    model = build_training_model(cfg, len(tokenizer), device, dtype, verbose=progress)
-    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, device, cfg.optimizer)
-    scheduler = build_scheduler(optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
-    options = step_options(cfg, device, dtype)
+    model, optimizer, scheduler, options = build_training(cfg, len(tokenizer), device, dtype, cfg.max_steps, progress)
 
     step, epoch, start_batch = 0, 0, 0
     metrics_file = run_dir / "metrics.jsonl"
