@@ -1,0 +1,189 @@
+"""Result files: one writer for every published figure, the code that made it, and when one may be reused.
+
+Every measurement the course publishes is one JSON file in `notebooks/results/`. `new_result` builds the
+part every file shares — the keys any tool can read (`REQUIRED_KEYS`), the date, GPU, package versions,
+the resolved config, and the *provenance*: the git commit and whether `tunekit/` differed from it, a hash of
+the library's source (`code_hash`), and the entry point and call that produced it. Nothing else builds that
+header, so a figure can always be traced to the code and the command behind it.
+
+A result is reused instead of re-measured (`reusable`) only when its config, GPU, package versions *and*
+`code_hash` all match: a change anywhere in `tunekit/` re-measures everything that depends on it.
+
+On a machine given a copy of the tree without `.git` (the GPU machine), set `TUNEKIT_COMMIT` to the commit
+the copy was made from and `TUNEKIT_DIRTY=0` if it had no uncommitted changes; `code_hash` is computed there
+from the files themselves, and `tests/test_results.py` checks it against the recorded commit.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+from tunekit.checkpoint import atomic_write_json
+from tunekit.config import REPO_ROOT, TuneConfig, config_dict
+
+REQUIRED_KEYS = ("name", "preset", "gpu", "world_size", "tokens_per_s", "peak_memory_gb", "date")
+PROVENANCE_KEYS = ("commit", "dirty", "code_hash", "entry", "call")
+LIBRARY = REPO_ROOT / "tunekit"
+
+
+# ---- provenance ------------------------------------------------------------------------------------------
+
+
+def source_hash(files: dict[str, bytes]) -> str:
+    """A short hash of {relative path: bytes}, independent of order."""
+    h = hashlib.sha256()
+    for name in sorted(files):
+        h.update(name.encode() + b"\0" + files[name] + b"\0")
+    return h.hexdigest()[:16]
+
+
+def code_hash(root: Path = LIBRARY) -> str:
+    """The hash of the library's Python source as it is on disk now."""
+    return source_hash({p.name: p.read_bytes() for p in sorted(root.glob("*.py"))})
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def git_state() -> tuple[str | None, bool | None]:
+    """(commit, whether tunekit/ differs from it); from $TUNEKIT_COMMIT / $TUNEKIT_DIRTY where there is no git."""
+    commit = _git("rev-parse", "HEAD")
+    if commit:
+        return commit, bool(_git("status", "--porcelain", "--", "tunekit"))
+    commit = os.environ.get("TUNEKIT_COMMIT") or None
+    dirty = os.environ.get("TUNEKIT_DIRTY")
+    return commit, (None if dirty is None else dirty not in ("0", "false", ""))
+
+
+def entry_point() -> str:
+    """What was run: the notebook being executed, the `tunekit` command line, or the Python command."""
+    if nb := os.environ.get("TUNEKIT_NOTEBOOK"):
+        return f"notebook {nb} (python -m tunekit.notebook {nb})"
+    argv0 = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
+    if argv0 in ("tunekit", "cli.py"):
+        return "tunekit " + " ".join(sys.argv[1:])
+    return " ".join(["python", *sys.argv]) if sys.argv and sys.argv[0] else "python (interactive)"
+
+
+def provenance(call: str = "") -> dict:
+    commit, dirty = git_state()
+    return {"commit": commit, "dirty": dirty, "code_hash": code_hash(), "entry": entry_point(), "call": call}
+
+
+# ---- the header every result file shares ----------------------------------------------------------------
+
+
+def gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.processor() or 'unknown'})"
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+
+    import torch
+
+    out = {"python": platform.python_version(), "cuda": torch.version.cuda}
+    for pkg in ("torch", "transformers", "peft", "accelerate", "datasets", "bitsandbytes", "flash-attn",
+                "liger-kernel"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def new_result(name: str, cfg: TuneConfig | None, tokens_per_s: float | None, peak_memory_gb: float | None,
+               call: str = "", world_size: int = 1, **fields) -> dict:
+    """A result dict: the shared header (required keys, date, provenance) then `fields`, config and versions."""
+    return {
+        "name": name, "preset": cfg.preset if cfg else "-", "gpu": gpu_name(), "world_size": world_size,
+        "tokens_per_s": tokens_per_s, "peak_memory_gb": peak_memory_gb,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **provenance(call), **fields,
+        "config": config_dict(cfg) if cfg else None, "versions": versions(),
+    }
+
+
+# ---- files -------------------------------------------------------------------------------------------------
+
+
+def save_result(result: dict, out: str | Path) -> Path:
+    """Write one result; `out` is a .json path or a folder (then `<folder>/<name>.json`)."""
+    out = Path(out)
+    path = out if out.suffix == ".json" else out / f"{result['name']}.json"
+    atomic_write_json(path, {k: v for k, v in result.items() if not k.startswith("_")})
+    return path
+
+
+def load_results(*paths: str | Path) -> list[dict]:
+    """Read result files (or every *.json in given folders), checking each has the required keys."""
+    files: list[Path] = []
+    for p in map(Path, paths):
+        files.extend(sorted(p.glob("*.json")) if p.is_dir() else [p])
+    results = []
+    for f in files:
+        try:
+            r = json.loads(f.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{f}: line {e.lineno}: not valid JSON ({e.msg})") from None
+        missing = [k for k in REQUIRED_KEYS if k not in r]
+        if missing:
+            raise ValueError(f"{f}: not a tunekit result, missing keys {missing}")
+        r["_file"] = str(f)
+        results.append(r)
+    return results
+
+
+def by_name(*paths: str | Path) -> dict[str, dict]:
+    """{name: result} for the result files under `paths`."""
+    return {r["name"]: r for r in load_results(*paths)}
+
+
+def reusable(path: str | Path, cfg: TuneConfig) -> dict | None:
+    """The result saved at `path` if the same code (`code_hash`), config, GPU and package versions made it."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    old = json.loads(path.read_text())
+    same = (old.get("config") == config_dict(cfg) and old.get("gpu") == gpu_name()
+            and old.get("code_hash") == code_hash() and old.get("versions") == versions())
+    return old if same else None
+
+
+# ---- noise -----------------------------------------------------------------------------------------------
+
+
+def noise_band(a: dict, b: dict, noise: dict[str, dict] | None = None) -> float:
+    """The relative difference below which two speed results are the same within noise: the larger of the
+    two results' own step-time spread and the run-to-run spread measured for their batch size (a `noise_*`
+    result: the same config benched in separate processes)."""
+    band = max(a.get("step_time_spread") or 0.0, b.get("step_time_spread") or 0.0)
+    for n in (noise or {}).values():
+        if "between_run_spread" in n:
+            small = min(a["config"]["batch_size"], b["config"]["batch_size"]) <= 2
+            if (n["config"]["batch_size"] <= 2) == small:
+                band = max(band, n["between_run_spread"])
+    return band
+
+
+def compare(a: dict, b: dict, noise: dict[str, dict] | None = None, key: str = "tokens_per_s") -> tuple[float, str]:
+    """(a/b, words): '1.23x' or '1.02x, same within noise (band ±4%)'."""
+    ratio = a[key] / b[key]
+    band = noise_band(a, b, noise)
+    if abs(ratio - 1) <= band:
+        return ratio, f"{ratio:.2f}x, same within noise (±{band:.0%})"
+    return ratio, f"{ratio:.2f}x"
