@@ -275,9 +275,15 @@ def test_batching_names_are_importable_from_data():
         assert getattr(data, name) is getattr(batching, name)
 
 
-def test_default_num_workers_is_half_the_cores_at_most_8():
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    assert batching.default_num_workers() == min(8, cores // 2)
+@pytest.mark.parametrize("cores, workers", [(1, 0), (2, 1), (3, 1), (5, 2), (16, 8), (17, 8), (64, 8)])
+def test_default_num_workers_is_half_the_cores_at_most_8(cores, workers, monkeypatch):
+    """Half the cores this process may run on (its affinity, not the machine's count), rounded down, at most 8."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(100, 100 + cores)), raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 128)  # the machine has more; the affinity decides
+    assert batching.default_num_workers() == workers
+    monkeypatch.delattr(os, "sched_getaffinity")  # no affinity call (macOS): the core count
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    assert batching.default_num_workers() == workers
 
 
 def test_dataloader_knobs(tokenized, tokenizer):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import SMALL_ARCH
 
-from tunekit import bench
+from tunekit import bench, results
 from tunekit.config import tiny
 from tunekit.model import llama_config
 
@@ -22,10 +22,12 @@ def result(tmp_path_factory, small_data):
 
 def test_run_bench_result(result):
     cfg, r = result
-    for key in bench.REQUIRED_KEYS:
+    for key in (*results.REQUIRED_KEYS, *results.PROVENANCE_KEYS):
         assert key in r, key
+    assert r["code_hash"] == results.code_hash() and r["call"].startswith("bench.run_bench(")
     assert r["name"] == "tiny-cpu" and r["preset"] == "tiny" and r["world_size"] == 1
-    assert len(r["step_times_s"]) == cfg.bench_steps and all(t > 0 for t in r["step_times_s"])
+    assert cfg.bench_steps <= len(r["step_times_s"]) <= cfg.bench_max_steps and all(t > 0 for t in r["step_times_s"])
+    assert r["step_time_spread"] == pytest.approx(bench.spread(r["step_times_s"]), abs=2e-3)  # times are rounded
     assert r["tokens_per_step"] == cfg.batch_size * cfg.grad_accum * cfg.max_length
     assert r["tokens_per_s"] > 0
     assert r["tokens_per_s"] == pytest.approx(r["tokens_per_step"] / r["step_time_s"], rel=1e-3)
@@ -36,60 +38,6 @@ def test_run_bench_result(result):
     if not torch.cuda.is_available():
         assert r["gpu"].startswith("cpu") and r["mfu"] is None
     json.dumps(r)  # serialisable as is
-
-
-def test_save_and_load_results(tmp_path, result):
-    _, r = result
-    in_folder = bench.save_result(r, tmp_path / "results")
-    assert in_folder == tmp_path / "results" / "tiny-cpu.json"
-    as_file = bench.save_result({**r, "name": "other"}, tmp_path / "x" / "mine.json")
-    assert as_file == tmp_path / "x" / "mine.json"
-    for path in (in_folder, as_file):
-        assert json.loads(path.read_text())["tokens_per_s"] == r["tokens_per_s"]
-    loaded = bench.load_results(tmp_path / "results", as_file)
-    assert [x["name"] for x in loaded] == ["tiny-cpu", "other"]
-    assert loaded[0]["_file"] == str(in_folder)
-
-
-def test_load_results_rejects_missing_keys(tmp_path):
-    path = tmp_path / "partial.json"
-    path.write_text(json.dumps({"name": "x", "tokens_per_s": 1.0}))
-    with pytest.raises(ValueError) as e:
-        bench.load_results(path)
-    assert str(path) in str(e.value)
-    assert "gpu" in str(e.value) and "peak_memory_gb" in str(e.value)
-
-
-def test_load_results_rejects_bad_json(tmp_path):
-    path = tmp_path / "broken.json"
-    path.write_text('{"name": "x",\n')
-    with pytest.raises(ValueError) as e:
-        bench.load_results(tmp_path)  # a folder: every *.json in it
-    assert str(path) in str(e.value) and "JSON" in str(e.value)
-
-
-def test_format_table(result):
-    _, r = result
-    table = bench.format_table([r, {**r, "name": "second", "mfu": 0.4321}])
-    lines = table.splitlines()
-    assert len(lines) == 4 and lines[0].startswith("| name")
-    assert "tiny-cpu" in lines[2] and "second" in lines[3] and "43.2%" in lines[3]
-
-
-def test_plot_results(result):
-    import matplotlib
-    import matplotlib.pyplot as plt
-    from matplotlib.figure import Figure
-
-    assert matplotlib.get_backend().lower() == "agg"
-    _, r = result
-    fig = bench.plot_results([r, {**r, "name": "second"}], reference={"paper": 100.0}, title="t")
-    try:
-        assert isinstance(fig, Figure) and len(fig.axes) == 2
-        labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
-        assert labels == ["tiny-cpu", "second"]
-    finally:
-        plt.close(fig)
 
 
 # ---- FLOPs ---------------------------------------------------------------------------------------
@@ -168,7 +116,26 @@ def test_measure_step_times_only_timed_calls():
     assert len(n) == 5 and sum(times) < 0.25
 
 
-def test_versions_lists_packages():
-    v = bench.versions()
-    assert v["torch"] and v["transformers"] and v["python"]
-    assert "bitsandbytes" in v  # None where not installed
+def test_measure_step_times_more_steps_while_the_median_is_uncertain():
+    import itertools
+
+    # Alternating 1 ms and 40 ms steps: the median stays uncertain, so timing goes on to the cap.
+    noisy = itertools.cycle([0.001, 0.04])
+    times = bench.measure_step(lambda: __import__("time").sleep(next(noisy)), warmup=0, steps=4, device="cpu",
+                               max_steps=12, target_error=0.01)
+    assert len(times) == 12
+    # Steady steps: the minimum is enough.
+    steady = bench.measure_step(lambda: __import__("time").sleep(0.002), warmup=0, steps=4, device="cpu",
+                                max_steps=12, target_error=0.5)
+    assert len(steady) == 4
+
+
+def test_median_error_and_spread():
+    assert bench.median_error([1.0, 1.0, 1.0, 1.0]) == 0.0
+    assert bench.median_error([1.0, 2.0]) == float("inf")  # too few to say
+    times = [1.0, 1.1, 0.9, 1.0, 1.2, 0.8, 1.0, 1.0]
+    mad = 0.05  # |t - 1.0|: 0, .1, .1, 0, .2, .2, 0, 0 -> median .05
+    assert bench.median_error(times) == pytest.approx(1.2533 * 1.4826 * mad / 8 ** 0.5)
+    # quartiles (exclusive method) of the sorted times .8 .9 1 1 1 1 1.1 1.2: q1 = .925, q3 = 1.075
+    assert bench.spread(times) == pytest.approx(0.15)
+    assert bench.spread([1.0, 2.0]) == 0.0

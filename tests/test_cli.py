@@ -94,8 +94,8 @@ def test_train(tmp_path, small_data, capsys):
 
 def test_bench(tmp_path, small_data, capsys):
     out = tmp_path / "results" / "mine.json"
-    argv = ["bench", *small_args(tmp_path, small_data, "--bench-warmup", "1", "--bench-steps", "2"),
-            "--name", "cli-tiny", "--out", str(out)]
+    argv = ["bench", *small_args(tmp_path, small_data, "--bench-warmup", "1", "--bench-steps", "2",
+                                 "--bench-max-steps", "2"), "--name", "cli-tiny", "--out", str(out)]
     assert run_main(argv) == 0
     result = json.loads(out.read_text())
     assert result["name"] == "cli-tiny" and result["tokens_per_s"] > 0 and len(result["step_times_s"]) == 2
@@ -104,6 +104,18 @@ def test_bench(tmp_path, small_data, capsys):
     if "results" in cli.make_parser()._subparsers._group_actions[0].choices:
         assert run_main(["results", str(out.parent)]) == 0
         assert "cli-tiny" in capsys.readouterr().out
+
+
+def test_bench_repeat_measures_run_to_run_noise(tmp_path, small_data, capsys):
+    out = tmp_path / "noise.json"
+    argv = ["bench", *small_args(tmp_path, small_data, "--bench-warmup", "1", "--bench-steps", "2",
+                                 "--bench-max-steps", "2"), "--repeat", "2", "--name", "noise_tiny", "--out", str(out)]
+    assert run_main(argv) == 0
+    r = json.loads(out.read_text())
+    medians = [run["step_time_s"] for run in r["runs"]]
+    assert len(medians) == 2 and r["name"] == "noise_tiny" and r["config"]["batch_size"] > 0
+    assert r["between_run_spread"] == pytest.approx((max(medians) - min(medians)) / (sum(medians) / 2), abs=1e-3)
+    assert r["call"].startswith("bench.measure_noise(")
 
 
 def test_prepare(tmp_path, small_data, capsys):
@@ -165,12 +177,12 @@ def test_results_missing_path_exits_2(tmp_path, capsys):
 
 
 def test_estimate_prints_the_parts_and_matches_the_library(capsys):
-    from tunekit import config, memory
+    from tunekit import config, estimate
 
     assert cli.main(["estimate", "--preset", "llama7b_qlora", "--batch-size", "1"]) == 0
     out = capsys.readouterr().out
-    expected = memory.estimate_memory_for(**config.config_dict(config.llama7b_qlora(batch_size=1)))
-    assert memory.format_estimate(expected) in out and "weights" in out
+    expected = estimate.estimate_memory_for(**config.config_dict(config.llama7b_qlora(batch_size=1)))
+    assert estimate.format_estimate(expected) in out and "weights" in out
 
 
 def test_estimate_without_vocab_size_exits_2(capsys):
@@ -181,7 +193,8 @@ def test_estimate_without_vocab_size_exits_2(capsys):
 def test_estimate_with_memory_says_what_fits(capsys):
     assert cli.main(["estimate", "--preset", "llama7b_qlora", "--memory-gb", "24"]) == 0
     out = capsys.readouterr().out
-    assert "fits 24 GB up to micro-batch" in out and "--batch-size 8" in out
+    assert "fits 24 GB up to micro-batch 16 x 2048 counting reserved memory" in out and "--batch-size 8" in out
+    assert "20 counting allocated memory alone" in out  # the estimate without the allocator's fragmentation
 
 
 def test_estimate_that_cannot_fit_names_what_would(capsys):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tunekit import bench, config, train
+from tunekit import bench, config, memory, train
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)")]
@@ -146,10 +146,25 @@ def test_adamw8bit_tracks_adamw(tmp_path):
     assert abs(losses["adamw8bit"][-1] - losses["adamw"][-1]) / losses["adamw"][-1] < 0.05, losses
 
 
+def test_memory_cap_caps_the_allocator_and_restores_it():
+    uncapped = memory.allocatable_bytes()
+    with memory.memory_cap(2.0):
+        assert memory.allocatable_bytes() == pytest.approx(2e9, rel=1e-6)
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(int(3e9), dtype=torch.uint8, device="cuda")
+        with memory.memory_cap(0):  # no cap of its own: the outer one stays
+            assert memory.allocatable_bytes() == pytest.approx(2e9, rel=1e-6)
+    assert memory.allocatable_bytes() == uncapped
+    with pytest.raises(RuntimeError, match="inside"), memory.memory_cap(2.0):
+        raise RuntimeError("inside the capped block")
+    assert memory.allocatable_bytes() == uncapped  # restored on an exception too
+
+
 def test_find_micro_batch_under_a_cap(tmp_path):
     cfg = config.tiny(**MID, device="cuda", out_dir=str(tmp_path))
+    uncapped = memory.allocatable_bytes()
     r = bench.find_micro_batch(cfg, target_batch=64, memory_gb=3.0, verbose=False, limit=64)
-    bench.limit_memory(None)
+    assert memory.allocatable_bytes() == uncapped  # the cap lasted for the search only
     assert 1 <= r["micro_batch"] < 64 and r["peak_memory_gb"] <= 3.0
     assert r["grad_accum"] * r["micro_batch"] >= 64
     assert any(not t["fits"] for t in r["trials"])  # it found the edge, not the limit

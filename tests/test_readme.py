@@ -5,9 +5,9 @@ import re
 import subprocess
 import sys
 
-from tunekit.bench import format_table, load_results
+from tunekit import claims
 from tunekit.config import REPO_ROOT
-from tunekit.notebook import RESULTS
+from tunekit.results import RESULTS, by_name
 
 README = (REPO_ROOT / "README.md").read_text()
 
@@ -17,10 +17,24 @@ def readme_commands() -> list[str]:
     return [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
 
 
-def test_results_table_matches_result_files():
-    block = re.search(r"<!-- results:start -->\n(.*?)\n<!-- results:end -->", README, re.S).group(1)
-    steps = [r for r in load_results(RESULTS) if "step_time_s" in r]  # the step benchmarks, not lesson data
-    assert block == format_table(steps), "README table is stale: paste `tunekit results` into it"
+def test_generated_tables_match_the_result_files():
+    """The results, reference and claims tables are rendered from notebooks/results and notebooks/cited.json."""
+    assert README == claims.render_readme(README, by_name(RESULTS)), (
+        "README's generated tables are stale: run `tunekit results --update-readme`")
+
+
+def test_readme_lists_every_library_module():
+    table = re.search(r"## The library.*?\n\n(\|.*?)\n\n", README, re.S).group(1)
+    listed = set(re.findall(r"`tunekit/(\w+)\.py`", table))
+    modules = {p.stem for p in (REPO_ROOT / "tunekit").glob("*.py")} - {"__init__", "__main__"}
+    assert listed == modules, f"README library table: missing {modules - listed}, stale {listed - modules}"
+
+
+def test_cited_figures_name_their_source():
+    for entry in claims.cited().values():
+        assert entry["source"] and entry["date"], entry["id"]
+        if "tokens_per_s" in entry:
+            assert entry["stack"] and entry["machine"] and entry["matches"], entry["id"]
 
 
 def test_ci_runs_the_readme_test_command():

@@ -111,12 +111,37 @@ def test_train_step_accumulated_matches_big_batch(samples, tokenizer):
 
 
 def test_grad_clipping_bounds_the_norm(samples, tokenizer):
-    model = tiny_model(len(tokenizer))
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    sched = train.build_scheduler(opt, 0, 10, 1.0)
+    """The gradients the optimizer applies are scaled to `max_grad_norm` when their norm is above it, untouched
+    when it is 0 (off) or above their norm; the norm before clipping is what train_step reports."""
     batch = data.Collator(tokenizer.pad_token_id)(samples[:4])
-    out = train.train_step(model, [batch], opt, sched, max_grad_norm=1e-3, autocast_dtype=None)
-    assert out["grad_norm"] > 1e-3  # the norm before clipping is reported
+
+    def applied(max_grad_norm: float) -> tuple[float, dict[str, torch.Tensor]]:
+        """(reported norm, the gradients as optimizer.step sees them) for one step of a fresh model."""
+        model = tiny_model(len(tokenizer))
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        names = {id(p): n for n, p in model.named_parameters()}
+        seen = {}
+        opt.register_step_pre_hook(lambda o, args, kwargs: seen.update(
+            {names[id(p)]: p.grad.detach().clone() for g in o.param_groups for p in g["params"]}))
+        sched = train.build_scheduler(opt, 0, 10, 1.0)
+        out = train.train_step(model, [{k: v.clone() for k, v in batch.items()}], opt, sched,
+                               max_grad_norm=max_grad_norm, autocast_dtype=None)
+        return float(out["grad_norm"]), seen
+
+    def norm(g: dict[str, torch.Tensor]) -> float:
+        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in g.values()])))
+
+    full_norm, raw = applied(0.0)  # clipping off
+    assert full_norm > 0 and norm(raw) == pytest.approx(full_norm, rel=1e-5)
+    limit = full_norm / 4
+    reported, clipped = applied(limit)
+    assert reported == pytest.approx(full_norm, rel=1e-5)  # the norm before clipping is reported
+    assert norm(clipped) == pytest.approx(limit, rel=1e-4) and norm(clipped) <= limit * (1 + 1e-5)
+    for name, g in raw.items():  # the same direction, scaled down
+        torch.testing.assert_close(clipped[name], g * (limit / full_norm), rtol=1e-4, atol=1e-9, msg=name)
+    _, loose = applied(full_norm * 4)  # a limit above the norm changes nothing
+    for name, g in raw.items():
+        torch.testing.assert_close(loose[name], g, rtol=1e-6, atol=0, msg=name)
 
 
 # ---- the no-attention-mask claim -----------------------------------------------------------------

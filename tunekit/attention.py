@@ -26,12 +26,12 @@ GPU architecture); `torch.nn.attention.sdpa_kernel` restricts and reorders them
 - `efficient`: the memory-efficient kernel from xFormers (CUDA only); it also takes arbitrary masks.
 - `math`: the unfused composite of matmuls and softmax; runs anywhere, as slow as eager.
 
-PyTorch's default order puts cuDNN last (torch 2.13: flash, efficient, math, cuDNN). On Hopper (H100/H200,
-compute capability 9.0) cuDNN's kernel is the faster one — a reference figure from the H200 machine
-(../shared/gpu/README.md), causal forward + backward at B8 H32 S2048 D128 in bf16: cuDNN 2.49 ms, flash
-4.19 ms, mem-efficient 8.26 ms, math 55.3 ms.
-So `auto` puts cuDNN first on sm90+ and keeps the rest as fallbacks; elsewhere it leaves PyTorch's order
-alone, since we have measured nothing there. `benchmark_attention` re-measures all of them at your shapes.
+PyTorch's default order puts cuDNN last (torch 2.13: flash, efficient, math, cuDNN). The project measured
+the four on one Hopper GPU, an H200 (`benchmark_attention`, causal forward + backward at B8 H32 S2048 D128 in
+bf16; notebooks/results/l2_attention_ops.json): there cuDNN's kernel was the fastest of them, and
+`test_attention.py` checks that `HOPPER_ORDER` still follows that file. So `auto` puts cuDNN first on sm90+
+and keeps the rest as fallbacks; elsewhere it leaves PyTorch's order alone, since we have measured nothing
+there. `benchmark_attention` re-measures all of them on your GPU at your shapes.
 
 The order must hold in backward too: gradient checkpointing re-runs the forward (and so picks a kernel again)
 during backward, so `sdpa_context` wraps both. Entering it costs microseconds (a few flag writes).
@@ -53,7 +53,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
                  "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
-HOPPER_ORDER = ["cudnn", "flash", "efficient", "math"]
+HOPPER_ORDER = ["cudnn", "flash", "efficient", "math"]  # fastest first, as measured in ATTENTION_OPS_RESULT
+ATTENTION_OPS_RESULT = "notebooks/results/l2_attention_ops.json"  # the op benchmark, run on an H200
 CUDA_ONLY = (SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)  # CPU has only flash and math
 BENCH_BACKENDS = ("eager", "math", "efficient", "flash", "cudnn", "flex", "flash_attn")
 
@@ -79,7 +80,8 @@ def choose_attention(requested: str, device: str, packed: bool = False) -> tuple
             return "flash_attention_2", "auto: flash-attn is installed"
         if packed and _kind(device) == "cuda":
             return "flex_attention", ("auto: FlexAttention for packed rows (flash-attn not installed; it skips "
-                                      "masked blocks: 1.11x SDPA with a document mask in the 7B step on the H200)")
+                                      "masked blocks, and beat SDPA with a document mask in the 7B step measured "
+                                      "on an H200: notebooks/results/l2_packed_flex.json vs l2_packed_sdpa.json)")
         why = "flash-attn not installed" if _kind(device) == "cuda" else "CPU"
         return "sdpa", f"auto: PyTorch SDPA ({why})"
     if requested == "flash_attention_2":
@@ -145,8 +147,9 @@ def sdpa_backends(requested: str, device: str) -> tuple[list[SDPBackend] | None,
         if err:
             return None, f"{default} (cuDNN attention does not run here: {err})"
         return [SDPA_BACKENDS[n] for n in HOPPER_ORDER], (
-            f"sdpa_backend=auto: {','.join(HOPPER_ORDER)} on sm{cap[0]}{cap[1]} (H200 reference figure, "
-            "causal fwd+bwd B8 H32 S2048 D128: cuDNN 2.49 ms vs flash 4.19 ms)")
+            f"sdpa_backend=auto: {','.join(HOPPER_ORDER)} on sm{cap[0]}{cap[1]} (Hopper: cuDNN first, the fastest "
+            f"SDPA kernel in {ATTENTION_OPS_RESULT}, measured on an H200; PyTorch's own order puts it last. "
+            "Re-measure on this GPU with attention.benchmark_attention)")
     bad = [n for n in names if n not in SDPA_BACKENDS]
     if bad:
         raise ValueError(f"sdpa_backend={requested!r}: unknown backend {bad[0]!r}; choose {allowed}.")

@@ -2,12 +2,19 @@
 
 `measure_step` runs warm-up steps first (allocator growth, kernel selection, autotuning), synchronizes the
 GPU around every timed step and reports the median, which one slow step (a GC pause, a recompile) cannot
-move. Batches are random token ids filling every position, so the numbers compare with published
-figures at the same shape; the model is random-init unless `model` names real weights.
+move. How many steps it times is decided by the spread it measures, not by habit: at least `bench_steps`,
+then more until the median's standard error is under `bench_target_error` of it (or `bench_max_steps` is
+reached). A batch-1 step, launch-bound, scatters by 10-30% from step to step on the H200; a batch-8 step by
+under 1%: the first needs several times more steps for the same confidence. Each result records the
+spread (`step_time_spread`, the interquartile range over the median) and the median's relative error.
 
-Each result is one JSON file. Every file has the top-level keys `name`, `preset`, `gpu`, `world_size`,
-`tokens_per_s` (per GPU), `peak_memory_gb` and `date`, plus the step times, MFU, the resolved config and the
-package versions, so any tool can read any result and trace it to its settings.
+Between runs in separate processes a configuration moves by more than within one run; `measure_noise`
+measures that (the same config benched in N fresh processes), and `results.compare` calls a difference
+smaller than either spread "same within noise".
+
+Batches are random token ids filling every position, so the numbers compare with published figures at the
+same shape; the model is random-init unless `model` names real weights. Each result is one JSON file written
+through `results.new_result` (the shared header: config, versions, GPU, date, commit and code hash).
 
 MFU (model FLOPs utilisation, https://arxiv.org/abs/2204.02311 appendix B) counts the FLOPs the model needs
 — not the recomputation that checkpointing adds — against the GPU's dense bf16 peak from its datasheet.
@@ -15,26 +22,19 @@ MFU (model FLOPs utilisation, https://arxiv.org/abs/2204.02311 appendix B) count
 
 from __future__ import annotations
 
-import datetime
-import json
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from tunekit import checkpoint, memory
+from tunekit import estimate, memory
 from tunekit.config import TuneConfig, config_dict
+from tunekit.results import gpu_name, new_result, reusable, save_result
 
-REQUIRED_KEYS = ("name", "preset", "gpu", "world_size", "tokens_per_s", "peak_memory_gb", "date")
 # Dense bf16 tensor-core peaks from vendor datasheets (FLOP/s), matched by substring of the device name.
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12,
              "RTX 4090": 165e12, "RTX 3090": 71e12, "A6000": 155e12}
-
-
-def gpu_name() -> str:
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.processor() or 'unknown'})"
 
 
 def peak_flops(name: str) -> float | None:
@@ -42,19 +42,6 @@ def peak_flops(name: str) -> float | None:
         if key in name:
             return value
     return None
-
-
-def versions() -> dict:
-    import importlib.metadata as md
-
-    out = {"python": platform.python_version(), "cuda": torch.version.cuda}
-    for pkg in ("torch", "transformers", "peft", "accelerate", "datasets", "bitsandbytes", "flash-attn",
-                "liger-kernel"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            out[pkg] = None
-    return out
 
 
 def flops_per_token(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int,
@@ -83,14 +70,34 @@ def packed_positions(rows: int, length: int, docs: int = PACKED_DOCS) -> torch.T
     return (torch.arange(length) % size).expand(rows, length).clone()
 
 
-def measure_step(step_fn, warmup: int, steps: int, device: str) -> list[float]:
-    """Seconds per call of `step_fn` for `steps` calls after `warmup` untimed ones."""
+def median_error(times: list[float]) -> float:
+    """The relative standard error of the median of `times`: 1.2533 sigma / sqrt(n) / median, with sigma
+    estimated robustly from the median absolute deviation (one stray step does not inflate it)."""
+    if len(times) < 3:
+        return float("inf")
+    med = statistics.median(times)
+    sigma = 1.4826 * statistics.median(abs(t - med) for t in times)
+    return 1.2533 * sigma / len(times) ** 0.5 / med
+
+
+def spread(times: list[float]) -> float:
+    """The interquartile range of `times` over their median (0 for fewer than 4)."""
+    if len(times) < 4:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(times, n=4)
+    return (q3 - q1) / statistics.median(times)
+
+
+def measure_step(step_fn, warmup: int, steps: int, device: str, max_steps: int | None = None,
+                 target_error: float = 0.0) -> list[float]:
+    """Seconds per call of `step_fn`: `warmup` untimed calls, then at least `steps` timed ones, and more (up
+    to `max_steps`) while the median's relative standard error is above `target_error`."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for _ in range(warmup):
         step_fn()
     sync()
-    times = []
-    for _ in range(steps):
+    times: list[float] = []
+    while len(times) < steps or (len(times) < (max_steps or steps) and median_error(times) > target_error):
         t0 = time.perf_counter()
         step_fn()
         sync()
@@ -98,8 +105,9 @@ def measure_step(step_fn, warmup: int, steps: int, device: str) -> list[float]:
     return times
 
 
-def run_bench(cfg: TuneConfig, name: str = "", verbose: bool = True) -> dict:
-    """Build the model of `cfg`, time its training step, and return a result dict (see module docstring)."""
+def run_bench(cfg: TuneConfig, name: str = "", verbose: bool = True, memory_cap_gb: float | None = None) -> dict:
+    """Build the model of `cfg`, time its training step, and return a result dict (see module docstring).
+    `memory_cap_gb` records the allocator cap the caller set (it sets none itself)."""
     from tunekit import train as tr
     from tunekit.model import count_parameters
 
@@ -122,11 +130,13 @@ def run_bench(cfg: TuneConfig, name: str = "", verbose: bool = True) -> dict:
     def step():
         tr.train_step(model, micro, optimizer, scheduler, cfg.max_grad_norm, **options)
 
-    # The step's peak, not the load's: a 4-bit load materializes bf16 weights on the way (13.5 GB for 7B).
+    # The step's peak, not the load's (recorded as load_peak_gb): a 4-bit load quantizes bf16 weights on the
+    # way, and a random-init model is built in bf16 first.
     load_peak, _ = memory.peak_memory_gb(device)
     memory.reset_peak_memory(device)
     try:
-        times = measure_step(step, cfg.bench_warmup, cfg.bench_steps, device)
+        times = measure_step(step, cfg.bench_warmup, cfg.bench_steps, device, cfg.bench_max_steps,
+                             cfg.bench_target_error)
     except torch.OutOfMemoryError:
         raise RuntimeError(oom_advice(cfg)) from None
     alloc, reserved = memory.peak_memory_gb(device)
@@ -139,21 +149,23 @@ def run_bench(cfg: TuneConfig, name: str = "", verbose: bool = True) -> dict:
     gpu = gpu_name()
     peak = peak_flops(gpu) if device == "cuda" else None
     achieved = fpt * tokens / median
-    result = {
-        "name": name or cfg.preset, "preset": cfg.preset, "gpu": gpu, "world_size": 1,
-        "tokens_per_s": round(tokens / median, 1), "peak_memory_gb": round(alloc, 3),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "memory_measure": "torch.cuda.max_memory_allocated" if device == "cuda" else "process peak RSS",
-        "peak_reserved_gb": round(reserved, 3), "load_peak_gb": round(load_peak, 3), "step_time_s": round(median, 5),
-        "step_times_s": [round(t, 5) for t in times], "tokens_per_step": tokens,
-        "model_tflops_per_s": round(achieved / 1e12, 2), "mfu": round(achieved / peak, 4) if peak else None,
-        "params_total": total, "params_trainable": trainable, "build_s": round(build_s, 1),
-        "weights": cfg.model or "random-init",
-        "data": "random token ids, every position a target" + (
+    result = new_result(
+        name or cfg.preset, cfg, round(tokens / median, 1), round(alloc, 3),
+        call=f"bench.run_bench(TuneConfig(**config), name={name or cfg.preset!r})"
+             + (f" under a {memory_cap_gb:g} GB allocator cap" if memory_cap_gb else ""),
+        memory_measure="torch.cuda.max_memory_allocated" if device == "cuda" else "process peak RSS",
+        peak_reserved_gb=round(reserved, 3), load_peak_gb=round(load_peak, 3), memory_cap_gb=memory_cap_gb,
+        step_time_s=round(median, 5), step_time_spread=round(spread(times), 4),
+        median_error=round(median_error(times), 4), step_times_s=[round(t, 5) for t in times],
+        tokens_per_step=tokens, model_tflops_per_s=round(achieved / 1e12, 2),
+        mfu=round(achieved / peak, 4) if peak else None, params_total=total, params_trainable=trainable,
+        build_s=round(build_s, 1), weights=cfg.model or "random-init",
+        data="random token ids, every position a target" + (
             f"; rows packed with {PACKED_DOCS} samples each" if cfg.packing == "pack" else ""),
-        "config": config_dict(cfg), "versions": versions(),
-    }
+    )
     if verbose:
+        from tunekit.results import format_table
+
         print(format_table([result]))
     return result
 
@@ -161,35 +173,17 @@ def run_bench(cfg: TuneConfig, name: str = "", verbose: bool = True) -> dict:
 # ---- what fits -----------------------------------------------------------------------------------------
 
 
-def allocatable_bytes(device: str = "cuda") -> float:
-    """What the caching allocator may hand out: the GPU's memory, or the cap `limit_memory` set."""
-    if device != "cuda" or not torch.cuda.is_available():
-        return float("inf")
-    total = torch.cuda.get_device_properties(0).total_memory
-    return total * getattr(limit_memory, "fraction", 1.0)
-
-
-def limit_memory(gb: float | None) -> None:
-    """Let this process allocate at most `gb` GB on the GPU, as if it had a smaller one: PyTorch raises
-    out-of-memory beyond it (`torch.cuda.set_per_process_memory_fraction`); 0 or None lifts the cap. For
-    checking that a config fits a 24 GB card on an H200. The CUDA context is outside the cap: leave it
-    room (~0.5-1 GB)."""
-    total = torch.cuda.get_device_properties(0).total_memory
-    limit_memory.fraction = min(1.0, gb * 1e9 / total) if gb else 1.0
-    torch.cuda.set_per_process_memory_fraction(limit_memory.fraction)
-
-
 def oom_advice(cfg: TuneConfig) -> str:
     """The message for an out-of-memory step: what the estimator says would fit instead."""
     config = config_dict(cfg)
-    budget = allocatable_bytes()
+    budget = memory.allocatable_bytes()
     head = f"out of GPU memory at micro-batch {cfg.batch_size} x {cfg.max_length} tokens ({cfg.method}). "
     if not config["vocab_size"]:
         return head + "Lower --batch-size, or run `tunekit fit` to find the largest micro-batch that fits."
-    best = memory.estimate_max_batch(config, budget)
+    best = estimate.estimate_max_batch(config, budget)
     if best == 0:
-        return head + memory.cannot_fit_message(config, budget)
-    accum = memory.grad_accum_for(cfg.batch_size * cfg.grad_accum, best)
+        return head + estimate.cannot_fit_message(config, budget)
+    accum = estimate.grad_accum_for(cfg.batch_size * cfg.grad_accum, best)
     return head + (f"The estimator suggests --batch-size {best} --grad-accum {accum} (same samples per step); "
                    "`tunekit fit` finds the largest micro-batch by trying it.")
 
@@ -200,18 +194,26 @@ def find_micro_batch(cfg: TuneConfig, target_batch: int = 0, memory_gb: float = 
     trying it: double, then bisect, catching out-of-memory. Full-length rows are the worst case, so a
     real run's shorter batches fit too. With `target_batch`, also the gradient accumulation that reaches it.
 
-    `memory_gb` caps the GPU memory first (`limit_memory`), to answer "would this fit a smaller GPU?".
-    Returns a result dict (the bench keys, `micro_batch`, `grad_accum`, the trials, the estimator's answer)."""
+    `memory_gb` caps the GPU memory for the search (`memory.memory_cap`), to answer "would this fit a smaller
+    GPU?". Returns a result dict (the bench keys, `micro_batch`, `grad_accum`, the trials, the estimator's
+    answer)."""
+    from tunekit import train as tr
+
+    device, _ = tr.resolve_runtime(cfg)
+    if device != "cuda":
+        raise RuntimeError("tunekit fit tries steps until the GPU runs out of memory: it needs a CUDA GPU. "
+                           "On CPU, `tunekit estimate` answers from the estimator alone.")
+    with memory.memory_cap(memory_gb):
+        return _search_micro_batch(cfg, target_batch, memory_gb, name, limit, verbose)
+
+
+def _search_micro_batch(cfg: TuneConfig, target_batch: int, memory_gb: float, name: str, limit: int,
+                        verbose: bool) -> dict:
     import gc
 
     from tunekit import train as tr
 
     device, dtype = tr.resolve_runtime(cfg)
-    if device != "cuda":
-        raise RuntimeError("tunekit fit tries steps until the GPU runs out of memory: it needs a CUDA GPU. "
-                           "On CPU, `tunekit estimate` answers from the estimator alone.")
-    if memory_gb:
-        limit_memory(memory_gb)
     vocab = cfg.vocab_size or len(tr.build_tokenizer(cfg))
     torch.manual_seed(cfg.seed)
     model, optimizer, scheduler, options = tr.build_training(cfg, vocab, device, dtype, 10**9, verbose)
@@ -240,61 +242,50 @@ def find_micro_batch(cfg: TuneConfig, target_batch: int = 0, memory_gb: float = 
             print(f"fit: micro-batch {b}: {'fits' if ok else 'out of memory'} (peak {peak:.2f} GB)")
         return ok
 
-    best = memory.largest_fitting(fits, limit)
-    budget = allocatable_bytes(device)
+    best = estimate.largest_fitting(fits, limit)
+    budget = memory.allocatable_bytes(device)
     config = {**config_dict(cfg), "vocab_size": vocab}
     if best == 0:
-        raise RuntimeError(memory.cannot_fit_message(config, budget))
-    accum = memory.grad_accum_for(target_batch, best) if target_batch else cfg.grad_accum
+        raise RuntimeError(estimate.cannot_fit_message(config, budget))
+    accum = estimate.grad_accum_for(target_batch, best) if target_batch else cfg.grad_accum
     peak = max(t["peak_gb"] for t in trials if t["fits"] and t["batch"] == best)
-    result = {
-        "name": name or f"fit_{cfg.preset}", "preset": cfg.preset, "gpu": gpu_name(), "world_size": 1,
-        "tokens_per_s": None, "peak_memory_gb": peak,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "micro_batch": best, "grad_accum": accum, "global_batch": best * accum, "target_batch": target_batch,
-        "memory_cap_gb": memory_gb or None, "allocatable_gb": round(budget / 1e9, 2),
-        "estimate_micro_batch": memory.estimate_max_batch(config, budget, limit), "trials": trials,
-        "config": config_dict(cfg), "versions": versions(),
-    }
+    result = new_result(
+        name or f"fit_{cfg.preset}", cfg, None, peak,
+        call=f"bench.find_micro_batch(TuneConfig(**config), target_batch={target_batch}, memory_gb={memory_gb:g}, "
+             f"limit={limit})",
+        micro_batch=best, grad_accum=accum, global_batch=best * accum, target_batch=target_batch,
+        memory_cap_gb=memory_gb or None, allocatable_gb=round(budget / 1e9, 2),
+        estimate_micro_batch=estimate.estimate_max_batch(config, budget, limit), trials=trials,
+    )
     if verbose:
         print(f"fit: largest micro-batch {best} x {cfg.max_length} (estimator: {result['estimate_micro_batch']}); "
               f"--batch-size {best} --grad-accum {accum} gives {best * accum} samples a step")
     return result
 
 
-def reusable(path: str | Path, cfg: TuneConfig) -> dict | None:
-    """The result saved at `path` if it was produced with this config on a GPU of this name, else None."""
-    path = Path(path)
-    if not path.exists():
-        return None
-    old = json.loads(path.read_text())
-    return old if old.get("config") == config_dict(cfg) and old.get("gpu") == gpu_name() else None
-
-
 def run_many(configs: dict[str, TuneConfig], out: str | Path, reuse: bool = True, memory_gb: float = 0.0,
              verbose: bool = True) -> dict[str, dict]:
     """Bench each named config in this process, one after another, saving `<out>/<name>.json`.
 
-    With `reuse`, a saved result is read back instead of re-run when its config is the same and it came
-    from a GPU of the same name (the line says so and gives its date). A config that runs out of memory
-    is not saved: its entry is `{"name", "error"}` with the estimator's advice. `memory_gb` caps the GPU
-    memory for these runs (`limit_memory`). Returns {name: result}."""
+    With `reuse`, a saved result is read back instead of re-run only when the same code made it
+    (`results.reusable`: config, GPU, package versions and the library's code hash all match; the line says
+    so and gives its commit and date). A config that runs out of memory is not saved: its entry is
+    `{"name", "error"}` with the estimator's advice. `memory_gb` caps the GPU memory for these runs
+    (`memory.memory_cap`) and is recorded in each result. Returns {name: result}."""
     import gc
 
     out = Path(out)
     results: dict[str, dict] = {}
-    if memory_gb:
-        limit_memory(memory_gb)
-    try:
+    with memory.memory_cap(memory_gb):
         for name, cfg in configs.items():
             path = out / f"{name}.json"
             if reuse and (old := reusable(path, cfg)):
                 results[name] = old
                 if verbose:
-                    print(f"{name}: reusing the result of {old['date']} ({path.name})")
+                    print(f"{name}: reusing the result of {old['date']} (same code: {str(old['commit'])[:10]})")
                 continue
             try:
-                results[name] = run_bench(cfg, name, verbose=False)
+                results[name] = run_bench(cfg, name, verbose=False, memory_cap_gb=memory_gb or None)
                 save_result(results[name], out)
             except RuntimeError as e:
                 if "out of GPU memory" not in str(e):
@@ -307,76 +298,45 @@ def run_many(configs: dict[str, TuneConfig], out: str | Path, reuse: bool = True
             if verbose:
                 r = results[name]
                 print(f"{name}: " + (r["error"].splitlines()[0] if "error" in r else
-                                     f"{r['tokens_per_s']:,.0f} tok/s, peak {r['peak_memory_gb']:.2f} GB"))
-    finally:
-        if memory_gb:
-            limit_memory(None)
+                                     f"{r['tokens_per_s']:,.0f} tok/s (±{r['step_time_spread']:.0%} over "
+                                     f"{len(r['step_times_s'])} steps), peak {r['peak_memory_gb']:.2f} GB"))
     return results
 
 
-def save_result(result: dict, out: str | Path) -> Path:
-    """Write one result; `out` is a .json path or a folder (then `<folder>/<name>.json`)."""
-    out = Path(out)
-    path = out if out.suffix == ".json" else out / f"{result['name']}.json"
-    checkpoint.atomic_write_json(path, result)
-    return path
+def measure_noise(preset: str, args: list[str], name: str, out: str | Path, runs: int = 3,
+                  verbose: bool = True) -> dict:
+    """Run-to-run noise: bench `tunekit bench --preset PRESET ARGS...` in `runs` fresh processes and record
+    each run's median and the spread between them, `(max - min) / median` of the medians — what separates two
+    measurements of one config taken apart, which one run's step-to-step spread does not show."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
 
-
-def load_results(*paths: str | Path) -> list[dict]:
-    """Read result files (or every *.json in given folders), checking each has the required keys."""
-    files: list[Path] = []
-    for p in map(Path, paths):
-        files.extend(sorted(p.glob("*.json")) if p.is_dir() else [p])
-    results = []
-    for f in files:
-        try:
-            r = json.loads(f.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{f}: line {e.lineno}: not valid JSON ({e.msg})") from None
-        missing = [k for k in REQUIRED_KEYS if k not in r]
-        if missing:
-            raise ValueError(f"{f}: not a tunekit result, missing keys {missing}")
-        r["_file"] = str(f)
-        results.append(r)
-    return results
-
-
-def format_table(results: list[dict]) -> str:
-    """A markdown table: one row a result."""
-    def mfu(r: dict) -> str:
-        return "" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
-
-    def setup(r: dict) -> str:
-        c = r.get("config", {})
-        parts = [c.get("method", "?"), f"b{c.get('batch_size', '?')}x{c.get('max_length', '?')}"]
-        if c.get("grad_accum", 1) > 1:
-            parts.append(f"accum {c['grad_accum']}")
-        if c.get("grad_ckpt"):
-            parts.append("ckpt")
-        return ", ".join(parts)
-
-    head = ("| name | setup | gpu | tok/s per GPU | step s | peak alloc GB | MFU | date |\n"
-            "|---|---|---|---|---|---|---|---|")
-    rows = [f"| {r['name']} | {setup(r)} | {r['gpu']} | {r['tokens_per_s']:,.0f} | "
-            f"{r.get('step_time_s', float('nan')):.3f} | {r['peak_memory_gb']:.2f} | {mfu(r)} | {r['date'][:10]} |"
-            for r in results]
-    return "\n".join([head, *rows])
-
-
-def plot_results(results: list[dict], reference: dict[str, float] | None = None, title: str = ""):
-    """Bars of tok/s and peak memory per result; `reference` adds labelled horizontal lines (tok/s)."""
-    import matplotlib.pyplot as plt
-
-    names = [r["name"] for r in results]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 0.5 * len(names) + 2))
-    ax1.barh(names, [r["tokens_per_s"] for r in results], color="tab:blue")
-    ax1.set_xlabel("tokens/s per GPU (higher is better)")
-    for label, value in (reference or {}).items():
-        ax1.axvline(value, ls="--", color="gray")
-        ax1.text(value, len(names) - 0.5, f" {label}", rotation=90, va="top", fontsize=8, color="gray")
-    ax2.barh(names, [r["peak_memory_gb"] for r in results], color="tab:orange")
-    ax2.set_xlabel("peak allocated memory, GB (lower is better)")
-    ax2.set_yticks([])
-    fig.suptitle(title or f"{results[0]['gpu']}" if results else title)
-    fig.tight_layout()
-    return fig
+    medians, files = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(runs):
+            path = Path(tmp) / f"run{i}.json"
+            cmd = [sys.executable, "-m", "tunekit.cli", "bench", "--preset", preset, *args, "--name", f"{name}_run{i}",
+                   "--out", str(path)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
+            files.append(json.loads(path.read_text()))
+            medians.append(files[-1]["step_time_s"])
+    med = statistics.median(medians)
+    first = files[0]
+    result = new_result(
+        name, None, statistics.median(f["tokens_per_s"] for f in files), max(f["peak_memory_gb"] for f in files),
+        call=f"bench.measure_noise({preset!r}, {args!r}, runs={runs})",
+        runs=[{k: f[k] for k in ("tokens_per_s", "step_time_s", "step_time_spread", "median_error", "step_times_s")}
+              for f in files],
+        between_run_spread=round((max(medians) - min(medians)) / med, 4),
+        within_run_spread=round(max(f["step_time_spread"] for f in files), 4),
+    )
+    result["preset"], result["config"] = first["preset"], first["config"]
+    save_result(result, out)
+    if verbose:
+        print(f"{name}: {runs} processes, medians {', '.join(f'{m:.4f}' for m in medians)} s: between runs "
+              f"±{result['between_run_spread']:.1%}, within a run (IQR) up to {result['within_run_spread']:.1%}")
+    return result

@@ -52,6 +52,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="tiny", help=f"one of {', '.join(PRESETS)} (default tiny)")
     p.add_argument("--name", default="", help="result name (default: the preset)")
     p.add_argument("--out", default="runs/bench", help="a .json file or a folder (default runs/bench)")
+    p.add_argument("--repeat", type=int, default=1, help="bench in this many fresh processes and record the "
+                   "run-to-run spread (one result with every run)")
     p = sub.add_parser("databench", help="lesson 1's data measurements (train | loader | read)",
                        description="train: C1, GPU wait and packing on the preset's model; loader: DataLoader "
                        "knob sweep; read: RAM vs memory-mapped vs JSONL.", **common)
@@ -80,6 +82,9 @@ def make_parser() -> argparse.ArgumentParser:
     sub.add_parser("doctor", help="what this machine has: GPU, bf16, optional packages")
     p = sub.add_parser("results", help="print a markdown table of the step-benchmark result files")
     p.add_argument("paths", nargs="*", help="result files or folders (default notebooks/results)")
+    p.add_argument("--claims", action="store_true", help="print the article's claims judged from the files")
+    p.add_argument("--update-readme", action="store_true",
+                   help="rewrite README.md's generated tables (results, claims, reference) from notebooks/results")
     return parser
 
 
@@ -90,12 +95,16 @@ def main(argv: list[str] | None = None) -> int:
 
         return doctor()
     if args.command == "results":
-        from tunekit.bench import format_table, load_results
-        from tunekit.notebook import RESULTS
+        from tunekit import claims, results
 
         try:
-            results = load_results(*(args.paths or [RESULTS]))
-            print(format_table([r for r in results if "step_time_s" in r]))  # step benchmarks only
+            rs = results.by_name(*(args.paths or [claims.RESULTS]))
+            if args.update_readme:
+                print("README.md " + ("updated" if claims.update_readme() else "already up to date"))
+            elif args.claims:
+                print(claims.claims_table(rs))
+            else:
+                print(results.format_table(sorted(claims.step_results(rs), key=lambda r: r["name"])))
         except (ValueError, OSError) as e:
             print(f"tunekit results: error: {e}", file=sys.stderr)
             return 2
@@ -110,18 +119,24 @@ def main(argv: list[str] | None = None) -> int:
                   if summary["losses"] else "done: nothing to do")
             print(f"outputs in {summary['run_dir']}")
         elif args.command == "bench":
-            from tunekit.bench import run_bench, save_result
+            from tunekit.bench import measure_noise, run_bench
+            from tunekit.results import save_result
 
-            path = save_result(run_bench(cfg, args.name), args.out)
-            print(f"result -> {path}")
+            if args.repeat > 1:
+                out = args.out if args.out.endswith(".json") else f"{args.out}/{args.name or 'noise_' + cfg.preset}.json"
+                measure_noise(args.preset, rest, args.name or f"noise_{cfg.preset}", out, args.repeat)
+                print(f"result -> {out}")
+            else:
+                print(f"result -> {save_result(run_bench(cfg, args.name), args.out)}")
         elif args.command == "fit":
-            from tunekit.bench import find_micro_batch, save_result
+            from tunekit.bench import find_micro_batch
+            from tunekit.results import save_result
 
             result = find_micro_batch(cfg, args.target_batch, args.memory_gb, args.name)
             print(f"result -> {save_result(result, args.out)}")
         elif args.command == "databench":
             from tunekit import databench
-            from tunekit.bench import save_result
+            from tunekit.results import save_result
 
             if args.experiment == "train":
                 result = databench.run_train_experiment(cfg, steps=args.steps)
@@ -131,22 +146,25 @@ def main(argv: list[str] | None = None) -> int:
                 result = databench.run_read_experiment(cfg, args.corpus_mb, args.jsonl_rows)
             print(f"result -> {save_result(result, args.out)}")
         elif args.command == "estimate":
+            from tunekit import estimate
             from tunekit.config import config_dict
-            from tunekit.memory import estimate_memory_for, format_estimate
 
             if not cfg.vocab_size:
                 raise ValueError("estimate needs --vocab-size (the tokenizer is not loaded)")
-            print(format_estimate(estimate_memory_for(**config_dict(cfg))))
+            print(estimate.format_estimate(estimate.estimate_memory_for(**config_dict(cfg))))
             if args.memory_gb:
-                from tunekit.memory import cannot_fit_message, estimate_max_batch, grad_accum_for
-
-                best = estimate_max_batch(config_dict(cfg), args.memory_gb * 1e9)
+                budget = args.memory_gb * 1e9
+                best = estimate.estimate_max_batch(config_dict(cfg), budget)
                 if best == 0:
-                    print(cannot_fit_message(config_dict(cfg), args.memory_gb * 1e9))
+                    print(estimate.cannot_fit_message(config_dict(cfg), budget))
                     return 1
-                accum = grad_accum_for(cfg.batch_size * cfg.grad_accum, best)
-                print(f"fits {args.memory_gb:g} GB up to micro-batch {best} x {cfg.max_length}; for "
-                      f"{cfg.batch_size * cfg.grad_accum} samples a step: --batch-size {min(best, cfg.batch_size)} "
+                allocated = estimate.estimate_max_batch(config_dict(cfg), budget, reserve_factor=1.0)
+                accum = estimate.grad_accum_for(cfg.batch_size * cfg.grad_accum, best)
+                print(f"fits {args.memory_gb:g} GB up to micro-batch {best} x {cfg.max_length} counting reserved memory "
+                      f"(~{estimate.RESERVE_FACTOR:g}x the estimate: the caching allocator's fragmentation), "
+                      f"{allocated} counting allocated memory alone")
+                print(f"for {cfg.batch_size * cfg.grad_accum} samples a step: "
+                      f"--batch-size {min(best, cfg.batch_size)} "
                       f"--grad-accum {accum if best < cfg.batch_size else cfg.grad_accum}")
         elif args.command == "prepare":
             from tunekit.train import prepare

@@ -146,8 +146,14 @@ class TuneConfig:
     # ---- benchmark -------------------------------------------------------------------------------
     bench_warmup: int = 3
     """Steps run before timing starts (allocator, kernels and autotuning settle)."""
-    bench_steps: int = 10
-    """Timed steps; the median step time is reported."""
+    bench_steps: int = 5
+    """Timed steps at least; the median step time is reported."""
+    bench_max_steps: int = 40
+    """Timed steps at most: past `bench_steps`, timing goes on while the median's relative standard error
+    is above `bench_target_error` (a launch-bound batch-1 step scatters far more than a large one)."""
+    bench_target_error: float = 0.01
+    """Stop timing once the median step time is known to this relative standard error (0: time exactly
+    `bench_steps`)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -174,6 +180,8 @@ class TuneConfig:
         need(self.method == "qlora" or not self.peft_kbit_prepare, "peft_kbit_prepare",
              "applies to 4-bit models only; use it with --method qlora")
         need(self.prefetch_factor > 0, "prefetch_factor", "must be a positive integer")
+        need(self.bench_max_steps >= self.bench_steps, "bench_max_steps", "must be at least bench_steps")
+        need(0 <= self.bench_target_error < 1, "bench_target_error", "must be in [0, 1)")
         for name in ("batch_size", "grad_accum", "max_length", "max_steps", "log_every",
                      "bench_steps", "hidden_size", "num_layers", "num_heads", "intermediate_size"):
             need(getattr(self, name) > 0, name, "must be a positive integer")

@@ -10,24 +10,28 @@ Three experiments, each one result file (the keys every tunekit result has, plus
 - `loader`: a sweep of `num_workers` x `pin_memory` x `prefetch_factor` x `persistent_workers` on data
   throughput alone, two epochs each, so worker start-up and persistence show (claim C2).
 - `read`: one pass over a tokenized dataset held in RAM, memory-mapped from disk cold and warm, and re-read
-  from JSONL and re-tokenized, on GSM8K and on a synthetic corpus of about 1 GB (claim C3).
+  from JSONL and re-tokenized, on GSM8K and on a synthetic corpus of about 1 GB (claim C3). "Cold" is checked,
+  not assumed: before that pass the share of the files' pages still in the page cache is measured
+  (`resident_fraction`, Linux `mincore`) and recorded; the row is called cold only when under 5% remain.
 """
 
 from __future__ import annotations
 
-import datetime
+import ctypes
 import json
+import mmap
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from tunekit import data, memory
-from tunekit.bench import gpu_name, versions
 from tunekit.checkpoint import atomic_output
-from tunekit.config import TuneConfig, config_dict
+from tunekit.config import TuneConfig
+from tunekit.results import new_result
 
 # ---- timing a fed training step ----------------------------------------------------------------------
 
@@ -148,8 +152,9 @@ def run_train_experiment(cfg: TuneConfig, steps: int = 15, warmup: int = 3, verb
             print(f"{name:<45} {row['tokens_per_s']:>10,.0f} real tok/s  data {row['data_fraction']:6.1%}  "
                   f"padding {row['padding_fraction']:6.1%}  step {row['compute_s_per_step']:.3f}s")
     best = max(rows, key=lambda r: r["tokens_per_s"])
-    return result_dict("data_train", cfg, best["tokens_per_s"], memory.peak_memory_gb(device)[0], rows,
-                       data_stats=stats, num_workers=workers)
+    return new_result("data_train", cfg, best["tokens_per_s"], round(memory.peak_memory_gb(device)[0], 3),
+                      call=f"databench.run_train_experiment(steps={steps}, warmup={warmup})",
+                      cpu_count=os.cpu_count(), rows=rows, data_stats=stats, num_workers=workers)
 
 
 # ---- the DataLoader sweep ------------------------------------------------------------------------------
@@ -196,15 +201,80 @@ def run_loader_sweep(ds, pad_id: int, batch_size: int, batches: int, device: str
 # ---- reading: RAM vs memory-mapped vs JSONL -------------------------------------------------------------
 
 
+COLD_BELOW = 0.05  # a read is called cold only when less than this share of the file pages is cached
+
+
 def drop_file_cache(folder: Path) -> None:
-    """Ask the kernel to forget the cached pages of every file under `folder` (a cold read next time)."""
+    """Ask the kernel to forget the cached pages of every file under `folder` (a cold read next time).
+
+    Only a request: the kernel keeps dirty pages (a file just written is still dirty, so each file is
+    fsynced first) and any page another process has mapped. `resident_fraction` says what it did."""
     for p in Path(folder).rglob("*"):
         if p.is_file():
             fd = os.open(p, os.O_RDONLY)
             try:
+                os.fsync(fd)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+
+
+def _libc_mincore():
+    """libc's mmap, mincore and munmap through ctypes, or None where there is no such libc (not Linux)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fns = libc.mmap, libc.mincore, libc.munmap
+    except (OSError, AttributeError):
+        return None
+    fns[0].restype, fns[0].argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                       ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    fns[1].restype, fns[1].argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t,
+                                                     ctypes.POINTER(ctypes.c_ubyte)]
+    fns[2].restype, fns[2].argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t]
+    return fns
+
+
+def resident_fraction(folder: Path) -> float | None:
+    """The share (0..1) of the pages of every file under `folder` that are in the page cache now.
+
+    Each file is mapped (not read, so nothing is brought in) and `mincore(2)` reports which of its pages are
+    resident. None where that cannot be known: no mincore (not Linux), or a file this process could not
+    write — since Linux 5.0 mincore then reports only pages mapped by this process, which would read as cold."""
+    if sys.platform != "linux" or (fns := _libc_mincore()) is None:
+        return None
+    libc_mmap, mincore, munmap = fns
+    page = mmap.PAGESIZE
+    resident = total = 0
+    for p in sorted(Path(folder).rglob("*")):
+        if not p.is_file() or (size := p.stat().st_size) == 0:
+            continue
+        if not os.access(p, os.W_OK):
+            return None
+        pages = -(-size // page)
+        vec = (ctypes.c_ubyte * pages)()
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            addr = libc_mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if addr in (None, ctypes.c_void_p(-1).value):
+                return None
+            try:
+                if mincore(addr, size, vec) != 0:
+                    return None
+            finally:
+                munmap(addr, size)
+        finally:
+            os.close(fd)
+        resident += sum(b & 1 for b in vec)
+        total += pages
+    return resident / total if total else None
+
+
+def cold_label(resident: float | None) -> str:
+    """The name of the pass after an eviction request: cold only when the page cache was shown to be empty."""
+    if resident is not None and resident < COLD_BELOW:
+        return "memory-mapped arrow, cold"
+    left = "residency not measurable here" if resident is None else f"{resident:.0%} still cached"
+    return f"memory-mapped arrow, after eviction request ({left})"
 
 
 def full_pass(ds) -> tuple[int, int]:
@@ -218,26 +288,34 @@ def full_pass(ds) -> tuple[int, int]:
 
 def measure_reads(jsonl: Path, tokenized_dir: Path, tokenizer, max_length: int, jsonl_rows: int | None = None,
                   verbose: bool = True) -> list[dict]:
-    """Samples/s of one pass: in RAM, memory-mapped cold and warm, and JSONL re-read + re-tokenized."""
+    """Samples/s of one pass: in RAM, memory-mapped cold and warm, and JSONL re-read + re-tokenized.
+
+    Each row's `resident_before` is the share of the arrow files' pages in the page cache just before its pass
+    (None for the passes that do not read them memory-mapped, or where it cannot be measured). The first
+    memory-mapped pass is labelled by it: see `cold_label`."""
     import datasets
 
     rows = []
 
-    def record(kind, seconds, n, tokens):
+    def record(kind, seconds, n, tokens, resident=None):
         row = {"source": kind, "samples_per_s": round(n / seconds, 1), "tokens_per_s": round(tokens / seconds, 1),
-               "samples": n, "seconds": round(seconds, 3)}
+               "samples": n, "seconds": round(seconds, 3),
+               "resident_before": None if resident is None else round(resident, 4)}
         rows.append(row)
         if verbose:
-            print(f"{kind:<34} {row['samples_per_s']:>14,.0f} samples/s  ({n:,} samples in {seconds:.2f} s)")
+            cached = "" if resident is None else f", {resident:.0%} of its pages cached before"
+            print(f"{kind:<34} {row['samples_per_s']:>14,.0f} samples/s  ({n:,} samples in {seconds:.2f} s{cached})")
 
     drop_file_cache(tokenized_dir)
+    resident = resident_fraction(tokenized_dir)
     t0 = time.perf_counter()
     ds = datasets.load_from_disk(str(tokenized_dir))
     n, tokens = full_pass(ds)
-    record("memory-mapped arrow, cold", time.perf_counter() - t0, n, tokens)
+    record(cold_label(resident), time.perf_counter() - t0, n, tokens, resident)
+    resident = resident_fraction(tokenized_dir)
     t0 = time.perf_counter()
     n, tokens = full_pass(datasets.load_from_disk(str(tokenized_dir)))
-    record("memory-mapped arrow, warm", time.perf_counter() - t0, n, tokens)
+    record("memory-mapped arrow, warm", time.perf_counter() - t0, n, tokens, resident)
     in_ram = datasets.load_from_disk(str(tokenized_dir), keep_in_memory=True)  # loading is not the pass
     t0 = time.perf_counter()
     n, tokens = full_pass(in_ram)
@@ -283,8 +361,9 @@ def run_loader_experiment(cfg: TuneConfig, batches: int = 100, verbose: bool = T
     tokenized, _ = data.tokenize_dataset(records, tokenizer, cfg.max_length, source=cfg.data)
     rows = run_loader_sweep(tokenized, tokenizer.pad_token_id, cfg.batch_size, batches, device, verbose=verbose)
     best = max(rows, key=lambda r: r["tokens_per_s"])
-    return result_dict("data_loader", cfg, best["tokens_per_s"], 0.0, rows, batches_per_epoch=batches,
-                       batch_size=cfg.batch_size)
+    return new_result("data_loader", cfg, best["tokens_per_s"], None,
+                      call=f"databench.run_loader_experiment(batches={batches})", cpu_count=os.cpu_count(),
+                      rows=rows, batches_per_epoch=batches, batch_size=cfg.batch_size)
 
 
 def run_read_experiment(cfg: TuneConfig, corpus_mb: int = 1000, jsonl_rows: int = 100_000,
@@ -322,16 +401,6 @@ def run_read_experiment(cfg: TuneConfig, corpus_mb: int = 1000, jsonl_rows: int 
             rows.append({"data": label, "jsonl_mb": round(jsonl.stat().st_size / 1e6, 1), "arrow_mb": round(arrow_mb, 1),
                          "offline_tokenize_s": round(prep_s, 2), **row})
     ram = max(r["samples_per_s"] for r in rows if r["source"] == "arrow in RAM")
-    return result_dict("data_read", cfg, max(r["tokens_per_s"] for r in rows), 0.0, rows, best_ram_samples_per_s=ram)
-
-
-# ---- results ---------------------------------------------------------------------------------------------
-
-
-def result_dict(name: str, cfg: TuneConfig | None, tokens_per_s: float, peak_gb: float, rows: list[dict],
-                **extra) -> dict:
-    return {"name": name, "preset": cfg.preset if cfg else "-", "gpu": gpu_name(), "world_size": 1,
-            "tokens_per_s": tokens_per_s, "peak_memory_gb": round(peak_gb, 3),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "cpu_count": os.cpu_count(), "rows": rows, **extra,
-            "config": config_dict(cfg) if cfg else None, "versions": versions()}
+    return new_result("data_read", cfg, max(r["tokens_per_s"] for r in rows), None,
+                      call=f"databench.run_read_experiment(corpus_mb={corpus_mb}, jsonl_rows={jsonl_rows})",
+                      cpu_count=os.cpu_count(), rows=rows, best_ram_samples_per_s=ram)

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
+from tunekit.batching import IGNORE  # the label the loss skips, defined with the data that sets it
 from tunekit.model import base_model
 
-IGNORE = -100
 DEFAULT_CHUNK_ELEMENTS = 2**25  # logits per chunk: 1024 tokens at a 32k vocabulary, ~0.27 GB in fp32
 
 

@@ -16,8 +16,7 @@ from pathlib import Path
 import torch
 
 from tunekit.config import REPO_ROOT, smoke_mode
-
-RESULTS = REPO_ROOT / "notebooks" / "results"
+from tunekit.results import RESULTS
 
 
 def on_gpu() -> bool:
@@ -52,7 +51,7 @@ def config_for(gpu_preset: str, **overrides):
     keep = ("method", "grad_ckpt", "grad_ckpt_offload", "embed_offload", "optimizer", "loss", "lora_input_cast",
             "attention", "sdpa_backend", "batch_size", "packing")
     kw = {k: getattr(gpu_fields, k) for k in keep}
-    kw.update({k: v for k, v in overrides.items() if k in keep or k in ("bench_warmup", "bench_steps")})
+    kw.update({k: v for k, v in overrides.items() if k in keep or k.startswith("bench_")})
     for field, (gpu_value, cpu_value) in GPU_ONLY.items():
         if kw.get(field) == gpu_value:
             kw[field] = cpu_value
@@ -90,6 +89,9 @@ def execute(path: str | Path, timeout: int = 1800) -> Path:
 
     path = Path(path)
     nb = nbformat.read(path, as_version=4)
+    # The kernel inherits this: every result file the notebook writes names it as its entry point.
+    os.environ["TUNEKIT_NOTEBOOK"] = str(path.resolve().relative_to(REPO_ROOT)) if path.resolve().is_relative_to(
+        REPO_ROOT) else str(path)
     client = nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3",
                                      resources={"metadata": {"path": str(path.parent)}})
     client.execute()

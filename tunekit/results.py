@@ -31,6 +31,7 @@ from tunekit.config import REPO_ROOT, TuneConfig, config_dict
 REQUIRED_KEYS = ("name", "preset", "gpu", "world_size", "tokens_per_s", "peak_memory_gb", "date")
 PROVENANCE_KEYS = ("commit", "dirty", "code_hash", "entry", "call")
 LIBRARY = REPO_ROOT / "tunekit"
+RESULTS = REPO_ROOT / "notebooks" / "results"  # the published results
 
 
 # ---- provenance ------------------------------------------------------------------------------------------
@@ -69,12 +70,13 @@ def git_state() -> tuple[str | None, bool | None]:
 
 def entry_point() -> str:
     """What was run: the notebook being executed, the `tunekit` command line, or the Python command."""
-    if nb := os.environ.get("TUNEKIT_NOTEBOOK"):
-        return f"notebook {nb} (python -m tunekit.notebook {nb})"
     argv0 = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
-    if argv0 in ("tunekit", "cli.py"):
-        return "tunekit " + " ".join(sys.argv[1:])
-    return " ".join(["python", *sys.argv]) if sys.argv and sys.argv[0] else "python (interactive)"
+    command = "tunekit " + " ".join(sys.argv[1:]) if argv0 in ("tunekit", "cli.py") else None
+    if nb := os.environ.get("TUNEKIT_NOTEBOOK"):  # set by tunekit.notebook.execute, inherited by its children
+        return f"notebook {nb} (python -m tunekit.notebook {nb})" + (f": {command}" if command else "")
+    if command:
+        return command
+    return " ".join(["python", *sys.argv]) if argv0 else "python (interactive)"
 
 
 def provenance(call: str = "") -> dict:
@@ -187,3 +189,52 @@ def compare(a: dict, b: dict, noise: dict[str, dict] | None = None, key: str = "
     if abs(ratio - 1) <= band:
         return ratio, f"{ratio:.2f}x, same within noise (±{band:.0%})"
     return ratio, f"{ratio:.2f}x"
+
+
+# ---- tables and plots -------------------------------------------------------------------------------------
+
+
+def format_table(results: list[dict]) -> str:
+    """A markdown table: one row a step result. `spread` is half the interquartile range of the step times
+    over their median; `commit` is the code that measured it (`+`: with uncommitted changes in tunekit/)."""
+    def mfu(r: dict) -> str:
+        return "" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
+
+    def setup(r: dict) -> str:
+        c = r.get("config", {})
+        parts = [c.get("method", "?"), f"b{c.get('batch_size', '?')}x{c.get('max_length', '?')}"]
+        if c.get("grad_accum", 1) > 1:
+            parts.append(f"accum {c['grad_accum']}")
+        if c.get("grad_ckpt"):
+            parts.append("ckpt")
+        return ", ".join(parts)
+
+    def spread(r: dict) -> str:
+        return "-" if r.get("step_time_spread") is None else f"±{r['step_time_spread'] / 2:.1%}"
+
+    head = ("| name | setup | gpu | tok/s per GPU | spread | step s | peak alloc GB | MFU | commit | date |\n"
+            "|---|---|---|---|---|---|---|---|---|---|")
+    rows = [f"| {r['name']} | {setup(r)} | {r['gpu']} | {r['tokens_per_s']:,.0f} | {spread(r)} | "
+            f"{r.get('step_time_s', float('nan')):.3f} | {r['peak_memory_gb']:.2f} | {mfu(r)} | "
+            f"{(r.get('commit') or '-')[:7]}{'+' if r.get('dirty') else ''} | {r['date'][:10]} |"
+            for r in results]
+    return "\n".join([head, *rows])
+
+
+def plot_results(results: list[dict], reference: dict[str, float] | None = None, title: str = ""):
+    """Bars of tok/s and peak memory per result; `reference` adds labelled horizontal lines (tok/s)."""
+    import matplotlib.pyplot as plt
+
+    names = [r["name"] for r in results]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 0.5 * len(names) + 2))
+    ax1.barh(names, [r["tokens_per_s"] for r in results], color="tab:blue")
+    ax1.set_xlabel("tokens/s per GPU (higher is better)")
+    for label, value in (reference or {}).items():
+        ax1.axvline(value, ls="--", color="gray")
+        ax1.text(value, len(names) - 0.5, f" {label}", rotation=90, va="top", fontsize=8, color="gray")
+    ax2.barh(names, [r["peak_memory_gb"] for r in results], color="tab:orange")
+    ax2.set_xlabel("peak allocated memory, GB (lower is better)")
+    ax2.set_yticks([])
+    fig.suptitle(title or f"{results[0]['gpu']}" if results else title)
+    fig.tight_layout()
+    return fig

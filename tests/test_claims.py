@@ -1,0 +1,70 @@
+"""The claims: verdicts computed from result files, "unmeasured" without them, the README rendered from them."""
+
+from __future__ import annotations
+
+import pytest
+
+from tunekit import claims
+
+
+def step(name: str, tps: float, gb: float, batch: int = 4, spread: float = 0.0, **extra) -> dict:
+    return {"name": name, "tokens_per_s": tps, "peak_memory_gb": gb, "step_time_s": 1.0,
+            "step_time_spread": spread, "config": {"batch_size": batch}, **extra}
+
+
+def test_c8_parts():
+    rs = {r["name"]: r for r in (step("l2_lora_b4", 1000, 60), step("l2_lora_ckpt_b4", 700, 18),
+                                 step("l2_lora_ckpt_b8", 710, 22, batch=8))}
+    v = claims.judge("C8", rs)
+    # saves 70% (>= 30%: holds), costs 30% (within 10-30%: holds), 2x batch 0.71x: not faster -> partly
+    assert v.verdict == "partly" and "saves 70%" in v.evidence and "costs 30%" in v.evidence
+    assert "not faster" in v.evidence and v.files == ("l2_lora_b4", "l2_lora_ckpt_b4", "l2_lora_ckpt_b8")
+    rs["l2_lora_ckpt_b8"] = step("l2_lora_ckpt_b8", 1200, 22, batch=8)
+    assert claims.judge("C8", rs).verdict == "holds"
+    # a 2% gain inside a 5% step spread is not "faster"
+    rs["l2_lora_ckpt_b8"] = step("l2_lora_ckpt_b8", 1020, 22, batch=8, spread=0.05)
+    v = claims.judge("C8", rs)
+    assert "same within noise" in v.evidence and "not faster" in v.evidence
+
+
+def test_method_claims_use_the_fastest_default_step():
+    rs = {r["name"]: r for r in (
+        step("l2_full_b4", 1000, 90), step("l2_full_ckpt_b1", 500, 54, batch=1),
+        step("l2_lora_b4", 1300, 60), step("l2_lora_ckpt_b1", 400, 15, batch=1),
+        step("l2_lora_b4_something_else", 9999, 1))}  # not a default-step name: ignored
+    v = claims.judge("C5", rs)
+    assert v.verdict == "memory holds, speed does not"
+    assert "l2_lora_b4, 1,300 tok/s) is 1.30x" in v.evidence and "15.00 GB" in v.evidence
+
+
+def test_missing_results_read_unmeasured():
+    assert claims.judge("C8", {}).verdict == "unmeasured"
+    assert "l2_lora_b4.json" in claims.judge("C8", {}).evidence
+    assert claims.judge("C13", {}).verdict == "unmeasured"
+    table = claims.claims_table({})
+    assert table.count("**unmeasured**") == len(claims.CLAIMS)
+
+
+def test_a_broken_result_is_an_error_not_unmeasured():
+    rs = {"l2_lora_b4": {"name": "l2_lora_b4"}, "l2_lora_ckpt_b4": {}, "l2_lora_ckpt_b8": {}}
+    with pytest.raises(KeyError):
+        claims.judge("C8", rs)
+
+
+def test_reference_table_marks_cited_figures():
+    cite = {"p": {"id": "p", "stack": "plain HF + peft", "setup": "LoRA, batch 4", "matches": "l2_lora_b4",
+                  "tokens_per_s": 1000, "peak_memory_gb": 65.7, "source": "somewhere, table 1", "date": "d"}}
+    table = claims.reference_table({"l2_lora_b4": step("l2_lora_b4", 1500, 59.5)}, cite)
+    assert "plain HF + peft *(cited)*" in table and "1,500 tok/s, 59.50 GB" in table and "| 1.50x |" in table
+    assert "Cited figures: somewhere" in table
+    assert "unmeasured" in claims.reference_table({}, cite)
+
+
+def test_render_readme_replaces_blocks_and_needs_them():
+    text = "a\n<!-- results:start -->\nold\n<!-- results:end -->\n<!-- claims:start -->\n<!-- claims:end -->\n" \
+           "<!-- reference:start -->\n<!-- reference:end -->\nz\n"
+    out = claims.render_readme(text, {})
+    assert "old" not in out and "| # | claim |" in out and out.startswith("a\n") and out.endswith("z\n")
+    assert claims.render_readme(out, {}) == out
+    with pytest.raises(ValueError, match="results:start"):
+        claims.render_readme("no blocks", {})

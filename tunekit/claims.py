@@ -1,0 +1,321 @@
+"""The article's claims, each judged from result files: one function a claim, shared by the notebooks and
+the README.
+
+A notebook measures, writes result files, then prints `judge("C8", results)`; the README's claims table is
+`claims_table(...)` over the same files (`tunekit results --update-readme` rewrites it, and
+tests/test_readme.py fails when the README is stale). So a verdict is never typed twice, and a claim with no
+result file reads "unmeasured". Figures the project did not measure come from `notebooks/cited.json`, each
+rendered with "(cited)" and its source.
+
+Speed comparisons go through `results.compare`: a difference inside the measured noise (the larger of the
+two results' step-to-step spread and the run-to-run spread of a `noise_*` result) reads "same within noise".
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from tunekit.config import REPO_ROOT
+from tunekit.results import RESULTS, by_name, compare, format_table
+
+CITED = REPO_ROOT / "notebooks" / "cited.json"
+
+
+@dataclass
+class Verdict:
+    claim: str
+    verdict: str
+    evidence: str
+    files: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        return f"{self.claim} verdict: {self.verdict} — {self.evidence}"
+
+
+def cited(path: Path = CITED) -> dict[str, dict]:
+    """{id: entry} of every cited figure and statement."""
+    raw = json.loads(Path(path).read_text())
+    return {e["id"]: e for e in raw["figures"] + raw["statements"]}
+
+
+def noise_results(rs: dict[str, dict]) -> dict[str, dict]:
+    return {n: r for n, r in rs.items() if "between_run_spread" in r}
+
+
+def _row(r: dict, variant_prefix: str) -> dict:
+    return next(x for x in r["rows"] if x["variant"].startswith(variant_prefix))
+
+
+def _tps(x: float) -> str:
+    return f"{x:,.0f}"
+
+
+# ---- lesson 1: data ----------------------------------------------------------------------------------------
+
+
+def c1(rs: dict[str, dict]) -> Verdict:
+    t = rs["data_train"]
+    off, inl = _row(t, "C1 offline"), _row(t, "C1 in the loop (main")
+    workers = _row(t, "C1 in the loop, ")
+    ratio = off["tokens_per_s"] / inl["tokens_per_s"]
+    verdict = "holds" if ratio >= 2 else "partly" if ratio >= 1.2 else "not here"
+    ms = lambda r: f"{1000 * r['data_s_per_step']:.1f} ms"  # noqa: E731
+    return Verdict("C1", verdict,
+                   f"offline {_tps(off['tokens_per_s'])} vs in-loop {_tps(inl['tokens_per_s'])} real tok/s "
+                   f"({ratio:.2f}x); the step waits for data {ms(inl)} in the loop, {ms(off)} offline and {ms(workers)} "
+                   f"with the loop in {t['num_workers']} workers, of a {1000 * off['compute_s_per_step']:.0f} ms step "
+                   f"({t['gpu']}, 7B LoRA, {t['config']['data']} batch {t['config']['batch_size']})", ("data_train",))
+
+
+def c2(rs: dict[str, dict]) -> Verdict:
+    t, sweep = rs["data_train"], rs["data_loader"]
+    off, on = _row(t, "C2 loader knobs off"), _row(t, "C2 loader knobs as the article")
+    gain = on["tokens_per_s"] / off["tokens_per_s"] - 1
+    verdict = "holds" if gain > 0.1 else "partly" if gain > 0.02 else "not here"
+    slowest = min(r["batches_per_s"] for r in sweep["rows"])
+    return Verdict("C2", verdict,
+                   f"the article's settings change training speed by {gain:+.1%}; with all knobs off the step waits "
+                   f"for data {off['data_fraction']:.1%} of the time; the slowest of {len(sweep['rows'])} loader "
+                   f"settings delivers {slowest:,.0f} batches/s against the {1 / off['compute_s_per_step']:.1f} the "
+                   f"step consumes ({t['gpu']} machine, {t.get('cpu_count')} cores)", ("data_train", "data_loader"))
+
+
+def c3(rs: dict[str, dict]) -> Verdict:
+    r = rs["data_read"]
+    synth = {x["source"]: x for x in r["rows"] if x["data"] == "synthetic"}
+    ram = synth["arrow in RAM"]
+    mapped = next(x for s, x in synth.items() if s.startswith("memory-mapped arrow, ") and "warm" not in s)
+    jsonl = synth["JSONL re-read and re-tokenized"]
+    x = ram["samples_per_s"] / mapped["samples_per_s"]
+    verdict = "holds" if x >= 10 else "partly" if x >= 2 else "not here"
+    return Verdict("C3", verdict,
+                   f"one pass over {ram['samples']:,} samples ({ram['arrow_mb']:,.0f} MB tokenized arrow): "
+                   f"{ram['samples_per_s']:,.0f} samples/s from RAM, {mapped['samples_per_s']:,.0f} "
+                   f"{mapped['source'].removeprefix('memory-mapped arrow, ')} memory-mapped ({x:.2f}x); "
+                   f"re-reading and re-tokenizing the JSONL runs at {jsonl['samples_per_s']:,.0f}", ("data_read",))
+
+
+def packing(rs: dict[str, dict]) -> Verdict:
+    t = rs["data_train"]
+    pad, group = _row(t, "pack: pad to longest"), _row(t, "pack: length-grouped")
+    pk = [x for x in t["rows"] if x["variant"].startswith("pack: packed rows")]
+    same, big = pk[0]["tokens_per_s"] / pad["tokens_per_s"], pk[-1]["tokens_per_s"] / pad["tokens_per_s"]
+    return Verdict("packing", "measured",
+                   f"padding: {pad['padding_fraction']:.0%} padded to the longest, {group['padding_fraction']:.0%} "
+                   f"length-grouped, {pk[0]['padding_fraction']:.1%} packed; real tok/s at the same tokens per step: "
+                   f"packed {same:.2f}x padded, grouped {group['tokens_per_s'] / pad['tokens_per_s']:.2f}x; packed "
+                   f"with 4x the tokens per step {big:.2f}x", ("data_train",))
+
+
+# ---- lesson 2: QLoRA, checkpointing, attention -------------------------------------------------------------
+
+DEFAULT_STEP = re.compile(r"^l2_(full|lora|qlora)(_ckpt)?_b\d+$")  # tunekit's default step, only method/batch/ckpt vary
+
+
+def fastest(rs: dict[str, dict], method: str) -> dict:
+    own = [r for n, r in rs.items() if (m := DEFAULT_STEP.match(n)) and m.group(1) == method and "error" not in r]
+    if not own:
+        raise MissingResult(f"l2_{method}_*")
+    return max(own, key=lambda r: r["tokens_per_s"])
+
+
+def _method_claim(rs: dict, claim: str, method: str, gb_claimed: float, speed_claimed: float) -> Verdict:
+    least, best, full = rs[f"l2_{method}_ckpt_b1"], fastest(rs, method), fastest(rs, "full")
+    mem_ok = least["peak_memory_gb"] <= gb_claimed
+    ratio, words = compare(best, full, noise_results(rs))
+    speed_ok = abs(ratio / speed_claimed - 1) <= 0.25
+    verdict = ("holds" if mem_ok and speed_ok else
+               "memory holds, speed does not" if mem_ok else "speed holds, memory does not" if speed_ok else "does not hold")
+    return Verdict(claim, verdict,
+                   f"{least['peak_memory_gb']:.2f} GB at batch 1 with checkpointing ({least['name']}); the fastest "
+                   f"{method} step ({best['name']}, {_tps(best['tokens_per_s'])} tok/s) is {words} full fine-tuning's "
+                   f"fastest ({full['name']}, {_tps(full['tokens_per_s'])}), claimed {speed_claimed}x",
+                   (least["name"], best["name"], full["name"]))
+
+
+def c4(rs: dict[str, dict]) -> Verdict:
+    v = _method_claim(rs, "C4", "qlora", 12, 0.6)
+    q = cited()["qlora_paper_quality"]
+    v.evidence += f". Quality: not measurable with random weights; {q['text']} (cited: {q['source']})"
+    return v
+
+
+def c5(rs: dict[str, dict]) -> Verdict:
+    return _method_claim(rs, "C5", "lora", 40, 0.8)
+
+
+def c6(rs: dict[str, dict]) -> Verdict:
+    from tunekit import estimate
+
+    full1, full4 = rs["l2_full_ckpt_b1"], rs["l2_full_b4"]
+    c = full1["config"]
+    mixed = estimate.estimate_memory(c["hidden_size"], c["num_layers"], c["num_heads"],
+                                     c["num_kv_heads"] or c["num_heads"], c["intermediate_size"], c["vocab_size"],
+                                     c["max_length"], 1, "full", grad_ckpt=True, weight_dtype_bytes=4)["total"] / 1e9
+    return Verdict("C6", "holds for the fp32-master recipe" if mixed >= 100 else "does not hold",
+                   f"fp32 master weights + fp32 AdamW at batch 1 with checkpointing: {mixed:.0f} GB (estimate, not run); "
+                   f"full bf16 (weights, gradients, AdamW states) measured {full1['peak_memory_gb']:.1f} GB at batch 1 "
+                   f"with checkpointing and {full4['peak_memory_gb']:.1f} GB at batch 4 without",
+                   (full1["name"], full4["name"]))
+
+
+def c7(rs: dict[str, dict]) -> Verdict:
+    guides, ours, fit = rs["l2_4090_peft_guides_b4"], rs["l2_4090_tunekit_b4"], rs["l2_4090_fit"]
+    cap = guides["memory_cap_gb"]
+    ratio, words = compare(ours, guides, noise_results(rs))
+    ok = max(guides["peak_memory_gb"], ours["peak_memory_gb"]) <= cap
+    return Verdict("C7", "holds for a 24 GB card" if ok else "does not hold",
+                   f"under a {cap:g} GB allocator cap on the H200, QLoRA batch 4 x 2048 with checkpointing took "
+                   f"{guides['peak_memory_gb']:.2f} GB set up as peft's guides do and {ours['peak_memory_gb']:.2f} GB with "
+                   f"tunekit ({words} the speed); the largest micro-batch that ran under the cap was "
+                   f"{fit['micro_batch']} (`tunekit fit`)", (guides["name"], ours["name"], fit["name"]))
+
+
+def c8(rs: dict[str, dict]) -> Verdict:
+    off, on, on2 = rs["l2_lora_b4"], rs["l2_lora_ckpt_b4"], rs["l2_lora_ckpt_b8"]
+    saved = 1 - on["peak_memory_gb"] / off["peak_memory_gb"]
+    cost = 1 - on["tokens_per_s"] / off["tokens_per_s"]
+    ratio, words = compare(on2, off, noise_results(rs))
+    faster = ratio > 1 and "noise" not in words
+    parts = [saved >= 0.3, 0.1 <= round(cost, 3) <= 0.3, faster]  # saving more than claimed counts as holding
+    return Verdict("C8", "holds" if all(parts) else "partly" if any(parts) else "does not hold",
+                   f"saves {saved:.0%} of the peak (LoRA batch 4: {off['peak_memory_gb']:.1f} -> "
+                   f"{on['peak_memory_gb']:.1f} GB; claimed 30-50%), costs {cost:.0%} speed (claimed ~20%); twice the "
+                   f"batch with it runs at {words} the speed without it: {'faster' if faster else 'not faster'} overall",
+                   (off["name"], on["name"], on2["name"]))
+
+
+def c9(rs: dict[str, dict]) -> Verdict:
+    eager, flash, cudnn = rs["l2_attn_eager"], rs["l2_attn_sdpa_flash"], rs["l2_attn_sdpa_cudnn"]
+    ops = {r["backend"]: r for r in rs["l2_attention_ops"]["causal"] if r["status"] == "ok"}
+    speed = flash["tokens_per_s"] / eager["tokens_per_s"] - 1
+    mem = flash["peak_memory_gb"] / eager["peak_memory_gb"] - 1
+    _, vs_flash = compare(cudnn, flash, noise_results(rs))
+    shape = rs["l2_attention_ops"]["shape"]
+    op = ", ".join(f"{b} {ops[b]['ms_fwd_bwd']:.2f} ms" for b in ("cudnn", "flash", "eager") if b in ops)
+    verdict = "holds, and more" if speed > 0.5 else "holds" if speed >= 0.3 else "does not hold"
+    return Verdict("C9", verdict,
+                   f"in the LoRA step (batch 4, checkpointing) PyTorch's FlashAttention-2 kernel gives {speed:+.0%} speed "
+                   f"and {mem:+.0%} memory against eager; cuDNN's kernel runs at {vs_flash} flash's speed; the op alone "
+                   f"(B{shape['batch']} H{shape['heads']} S{shape['seq']} D{shape['head_dim']}): {op}",
+                   (eager["name"], flash["name"], cudnn["name"], "l2_attention_ops"))
+
+
+def packed_attention(rs: dict[str, dict]) -> Verdict:
+    sd, fx = rs["l2_packed_sdpa"], rs["l2_packed_flex"]
+    _, words = compare(fx, sd, noise_results(rs))
+    return Verdict("packed attention", "measured",
+                   f"rows of 4 samples in the LoRA step: FlexAttention runs at {words} SDPA with a document mask",
+                   (sd["name"], fx["name"]))
+
+
+# ---- the table -----------------------------------------------------------------------------------------------
+
+CLAIMS = {  # id: (the article says, how it is judged, or the lesson that will measure it)
+    "C1": ("tokenizing in the loop is 2-3x slower than offline", c1),
+    "C2": ("`num_workers`, `pin_memory`, `prefetch_factor=4`, `persistent_workers` are the right settings", c2),
+    "C3": ("data in RAM is 10-100x faster than from disk", c3),
+    "packing": ("*(the article is silent)*", packing),
+    "C4": ("QLoRA 7B in ~12 GB, at 0.6x full fp16's speed, <2% quality loss", c4),
+    "C5": ("LoRA in ~40 GB at 0.8x", c5),
+    "C6": ("full fp16 needs ~120 GB", c6),
+    "C7": ("a 4090 trains 7B QLoRA in 11 GB", c7),
+    "C8": ("checkpointing saves 30-50% memory, costs ~20%, is faster overall at twice the batch", c8),
+    "C9": ("FlashAttention 2: +30-50% speed, -20% memory", c9),
+    "C10": ("DDP suits up to 8 GPUs, FSDP 8 and more", "lesson 3 (distributed)"),
+    "C11": ("a wrong NCCL setup makes multi-GPU runs slow", "lesson 3 (distributed)"),
+    "C12": ("gradient accumulation emulates a large batch", "lesson 3 (distributed)"),
+    "C13": ("TF32: +30% speed, almost no precision loss", "lesson 4 (speedups)"),
+    "C14": ("`torch.compile`: minutes to compile, then +20-50%", "lesson 4 (speedups)"),
+    "C15": ("8-bit AdamW 0.9x, Lion 1.2x AdamW's speed", "lesson 4 (speedups)"),
+    "C16": ("the checklist takes a 7B run from 14 days to 3", "lesson 5 (the full run)"),
+}
+
+
+class MissingResult(LookupError):
+    """A claim needs a result file that does not exist (yet)."""
+
+
+class _Results(dict):
+    def __missing__(self, name: str):
+        raise MissingResult(name)
+
+
+def judge(claim: str, rs: dict[str, dict]) -> Verdict:
+    """The verdict on `claim` from results {name: result}; "unmeasured" where a file it needs is missing."""
+    _, how = CLAIMS[claim]
+    if isinstance(how, str):
+        return Verdict(claim, "unmeasured", f"no result file yet: {how}")
+    try:
+        return how(_Results(rs))
+    except MissingResult as e:
+        return Verdict(claim, "unmeasured", f"no result file {e.args[0]}.json in notebooks/results")
+
+
+def claims_table(rs: dict[str, dict]) -> str:
+    rows = ["| # | claim | verdict | evidence (result files in `notebooks/results/`) |", "|---|---|---|---|"]
+    for claim, (text, _) in CLAIMS.items():
+        v = judge(claim, rs)
+        files = f" ({', '.join(f'`{f}`' for f in v.files)})" if v.files else ""
+        rows.append(f"| {claim} | {text} | **{v.verdict}** | {v.evidence}{files} |")
+    return "\n".join(rows)
+
+
+def reference_table(rs: dict[str, dict], cite: dict[str, dict] | None = None) -> str:
+    """tunekit's step against the plain HF + peft stack and Unsloth at the same settings (those two cited)."""
+    cite = cite if cite is not None else cited()
+    stacks: dict[str, dict[str, dict]] = {}
+    for e in cite.values():
+        if "matches" in e and e["matches"].startswith("l2_") and not e["matches"].startswith("l2_attn"):
+            stacks.setdefault(e["matches"], {})[e["stack"]] = e
+    names = sorted({s for v in stacks.values() for s in v})
+    head = "| setup | tunekit (measured) | " + " | ".join(f"{s} *(cited)*" for s in names) + " | tunekit vs plain |"
+    rows = [head, "|" + "---|" * (len(names) + 3)]
+    for match, by_stack in stacks.items():
+        if match not in rs:
+            rows.append(f"| {next(iter(by_stack.values()))['setup']} | unmeasured | " + " | ".join(
+                f"{_tps(by_stack[s]['tokens_per_s'])} tok/s, {by_stack[s]['peak_memory_gb']} GB" if s in by_stack else "-"
+                for s in names) + " | - |")
+            continue
+        r = rs[match]
+        plain = by_stack.get("plain HF + peft")
+        vs = compare(r, plain, noise_results(rs))[1] if plain else "-"
+        cells = [f"{_tps(by_stack[s]['tokens_per_s'])} tok/s, {by_stack[s]['peak_memory_gb']} GB" if s in by_stack
+                 else "-" for s in names]
+        rows.append(f"| {next(iter(by_stack.values()))['setup']} (`{match}`) | {_tps(r['tokens_per_s'])} tok/s, "
+                    f"{r['peak_memory_gb']:.2f} GB | " + " | ".join(cells) + f" | {vs} |")
+    sources = sorted({e["source"].split(",")[0] for v in stacks.values() for e in v.values()})
+    return "\n".join(rows) + "\n\nCited figures: " + "; ".join(sources) + " (`notebooks/cited.json`)."
+
+
+# ---- the README ------------------------------------------------------------------------------------------------
+
+
+def step_results(rs: dict[str, dict]) -> list[dict]:
+    return [r for r in rs.values() if "step_time_s" in r]
+
+
+def render_readme(text: str, rs: dict[str, dict]) -> str:
+    """`text` with every generated block (`<!-- NAME:start -->` ... `<!-- NAME:end -->`) rendered anew."""
+    blocks = {"results": format_table(sorted(step_results(rs), key=lambda r: r["name"])),
+              "claims": claims_table(rs), "reference": reference_table(rs)}
+    for name, body in blocks.items():
+        pattern = re.compile(rf"(<!-- {name}:start -->\n)(?:.*?\n)?(<!-- {name}:end -->)", re.S)
+        if not pattern.search(text):
+            raise ValueError(f"README has no <!-- {name}:start --> ... <!-- {name}:end --> block")
+        text = pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)
+    return text
+
+
+def update_readme(path: Path = REPO_ROOT / "README.md", results_dir: Path = RESULTS) -> bool:
+    """Rewrite the README's generated blocks from the result files; True if anything changed."""
+    from tunekit.checkpoint import atomic_write_text
+
+    old = Path(path).read_text()
+    new = render_readme(old, by_name(results_dir))
+    if new != old:
+        atomic_write_text(path, new)
+    return new != old

@@ -1,0 +1,356 @@
+"""The peak-memory estimator: how much GPU memory a training step takes, before loading anything.
+
+`estimate_memory` predicts the peak of one training step of a Llama-shaped model from its shape and the
+config (method, checkpointing, loss, optimizer, offloads), counting the weights, adapters, optimizer states,
+gradients, the activations autograd saves and the loss's logits. `estimate_max_batch` turns it into the
+largest micro-batch that fits a GPU, `cannot_fit_message` into what to change when nothing does.
+
+How it was checked: the activation model against the tensors autograd really saves on a tiny model, to the
+byte; the whole peak against every published H200 step result (tests/test_memory.py, both).
+
+## The parts
+
+`estimate_memory` predicts `torch.cuda.max_memory_allocated` of one training step of a Llama-shaped model
+(tunekit's step: bf16 weights, bf16 autocast, SDPA, AdamW, the chunked or the plain loss), in bytes:
+
+- weights: 2 bytes a parameter in bf16. QLoRA: NF4 is 4 bits a weight plus double-quantized constants
+  (an 8-bit absmax per 64 weights and an fp32 one per 256 of those: ~0.127 bits), on the decoder's linear
+  layers only; bitsandbytes leaves the embeddings, LM head and norms in bf16 (fp32 after peft's
+  `prepare_model_for_kbit_training`; none of them with `embed_offload`).
+- lora: the adapters, fp32 (peft's default): r * (in + out) per adapted linear.
+- optimizer: AdamW keeps 2 states per trainable parameter *in the parameter's dtype* — fp32 for LoRA, bf16
+  for full fine-tuning, since our loop trains bf16 weights directly (no fp32 master copy); 8-bit AdamW two
+  bytes in all.
+- gradients: one per trainable parameter, in its dtype.
+- activations: what autograd saves for backward, counted tensor by tensor from the code path and checked
+  exactly against `saved_tensors_hooks` on a tiny model (tests/test_memory.py). Per decoder layer, with
+  B*S tokens, width H, MLP width I: each RMSNorm saves its fp32 upcast (4 B*S*H) and rstd; q, k, v after
+  RoPE, the attention output and a fused kernel's fp32 logsumexp (eager attention and SDPA's math kernel
+  instead keep every score twice, fp32 and bf16: 6 B*heads*S*S bytes); SwiGLU saves gate, up and silu(gate)
+  (3 x 2 B*S*I) and the down projection's input. Full fine-tuning adds the linear inputs and the bf16
+  normalized inputs that the trainable weights need. LoRA adds, per adapted linear, the rank-r intermediate
+  and bf16 copies of the adapter weights, and whatever input lora_A must keep: with peft's input cast a
+  bf16 copy per adapted linear, without it only the tensors no frozen layer kept already (8 B*S*H bytes a
+  layer less). With checkpointing a layer keeps only its bf16 input (2 B*S*H; nothing on the GPU when
+  offloaded); backward recomputes one layer at a time, so one layer's activations come back.
+- logits: the plain loss peaks in the backward of log_softmax at 14 bytes per logit: the bf16 logits
+  (micro_step holds them), the saved fp32 log_softmax output, the fp32 gradient from nll_loss and the fp32
+  gradient log_softmax produces (B*S*V elements each). The chunked loss holds one chunk's logits (bf16,
+  fp32 and the bf16 gradient: 8 bytes each) and the hidden states' gradient.
+- overhead: cuBLAS workspaces, the bnb dequantization buffer and other transients the allocator sees;
+  a 0.25 GB constant. The CUDA context (~0.5-1 GB on an H200) is outside `max_memory_allocated`; it is
+  returned as `cuda_context` and added only in `device_total` (closer to what nvidia-smi shows, less
+  allocator fragmentation: compare `peak_reserved_gb`).
+
+The peak is the largest of three moments: the loss (all saved activations + the loss's own), the first
+recomputed layer under checkpointing (saved inputs + one layer + gradients), and the end of backward (all
+gradients; matters only for full fine-tuning). tests/test_memory.py checks it against every published
+result file in notebooks/results: all within 15%, most within 4%; full fine-tuning is the worst (+13%, an
+overestimate), a few QLoRA steps are up to 7% under.
+
+## Allocated is not reserved: what fits under a cap
+
+A GPU's memory, or `memory.memory_cap`, limits what the caching allocator *reserves*: the blocks it holds
+from the driver, allocated or cached, fragmentation included. The estimate is of what is *allocated*. The
+published steps reserve 1.0-1.25x what they allocate (more at large batches and with big transient
+tensors: 1.77x for the plain loss at batch 8), so "the estimate fits" is not "the step fits": under a
+23 GB cap the estimate alone says micro-batch 19 for QLoRA at 2048 tokens; the H200 ran 14
+(notebooks/results/l2_4090_fit.json). `estimate_max_batch` therefore fits `RESERVE_FACTOR` x the estimate
+under the budget (see `reserve_factor_of` for how the factor is taken from the result files).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from tunekit.config import OPTIMIZERS
+from tunekit.loss import chunk_tokens
+
+# ---- the parts of the peak ----------------------------------------------------------------------------
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+NF4_BYTES = 0.5 + 0.127 / 8  # 4 bits a weight + double-quantized absmax constants (QLoRA paper, sec. 3)
+OVERHEAD_BYTES = int(0.25e9)  # cuBLAS workspaces, bnb dequant buffer, small transients
+CUDA_CONTEXT_BYTES = int(0.75e9)  # driver context + kernels; not in max_memory_allocated
+
+
+def _lora_modules(method: str, lora_targets: str) -> tuple[str, ...]:
+    if method == "full":
+        return ()
+    if lora_targets == "all-linear":
+        return LINEARS
+    names = tuple(t.strip() for t in lora_targets.split(",") if t.strip())
+    unknown = [n for n in names if n not in LINEARS]
+    if unknown:
+        raise ValueError(f"lora_targets: unknown module(s) {unknown}; use 'all-linear' or some of {LINEARS}")
+    return names
+
+
+def _linear_shapes(hidden: int, heads: int, kv_heads: int, intermediate: int) -> dict[str, tuple[int, int]]:
+    kv = hidden // heads * kv_heads
+    return {"q_proj": (hidden, hidden), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (hidden, hidden),
+            "gate_proj": (hidden, intermediate), "up_proj": (hidden, intermediate),
+            "down_proj": (intermediate, hidden)}
+
+
+def estimate_layer_activations(hidden: int, heads: int, kv_heads: int, intermediate: int, tokens: int,
+                               method: str, lora_r: int = 16, lora_targets: str = "all-linear",
+                               input_needs_grad: bool = True, lora_input_cast: bool = True,
+                               scores_per_token: int = 0) -> int:
+    """Bytes autograd saves for backward in one Llama decoder layer under bf16 autocast with SDPA.
+
+    `tokens` is batch * seq. `input_needs_grad=False` is the first layer of a LoRA model without
+    checkpointing: the frozen embedding's output needs no gradient, so its input norm saves nothing.
+    `lora_input_cast` is peft's default fp32 cast of each adapter's input (see `model.apply_lora`).
+    `scores_per_token` (heads x seq) is set for attention that materializes its scores (eager, SDPA's math
+    kernel): each score is kept twice, as the fp32 softmax output and its bf16 copy."""
+    T, H, I = tokens, hidden, intermediate
+    kv = H // heads * kv_heads
+    full = method == "full"
+    adapted = _lora_modules(method, lora_targets)
+    shapes = _linear_shapes(H, heads, kv_heads, I)
+    norm = 4 * T * H + 4 * T + (2 * T * H if full else 0)  # fp32 upcast + rstd (+ bf16 normalized for the weight)
+    b = norm if input_needs_grad or full else 0  # input_layernorm
+    b += norm  # post_attention_layernorm
+    if full:
+        b += 2 * T * H * 2  # the inputs of q/k/v (one shared tensor) and of gate/up
+        b += 2 * T * I  # down_proj's input (o_proj's input is the SDPA output itself, stored (B, S, h, d))
+    b += 2 * T * (H + 2 * kv) + 2 * T * H  # q, k, v after RoPE; the attention output
+    b += 6 * T * scores_per_token if scores_per_token else 4 * T * heads  # the scores, or a fused kernel's logsumexp
+    b += 3 * 2 * T * I  # SwiGLU: gate (silu's input), silu(gate) and up (the product's operands)
+    for name in adapted:
+        fan_in, fan_out = shapes[name]
+        b += 2 * T * lora_r + 2 * lora_r * (fan_in + fan_out)  # x@A, bf16 copies of A and B
+        b += 2 * T * fan_in if lora_input_cast else 0  # the cast makes each adapter's input its own tensor
+    if not lora_input_cast:  # lora_A saves its input as is: the tensors no frozen layer kept already
+        b += 2 * T * H * (bool({"q_proj", "k_proj", "v_proj"} & set(adapted)) +  # the attention norm's output
+                          bool({"gate_proj", "up_proj"} & set(adapted)))  # the MLP norm's output
+        b += 2 * T * I * ("down_proj" in adapted)  # silu(gate) * up; o_proj's input is attention's saved output
+    return b
+
+
+def estimate_saved_activations(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int,
+                               vocab: int, seq: int, batch: int, method: str, lora_r: int = 16,
+                               lora_targets: str = "all-linear", grad_ckpt: bool = False,
+                               lora_input_cast: bool = True, loss: str = "plain", offload: bool = False,
+                               stream_bytes: int = 2, scores_per_token: int = 0) -> dict:
+    """Bytes held for backward on the GPU at the end of the forward pass: `layers` (decoder layers, or their
+    saved inputs under checkpointing, none when offloaded), `rest` (embedding, final norm, LM head, RoPE
+    tables, labels) and `log_softmax` (its fp32 output; the chunked loss keeps none), plus `total`.
+    `stream_bytes` is the residual stream's dtype size (4 when peft's k-bit preparation upcast it);
+    `scores_per_token` is as in `estimate_layer_activations`."""
+    T = batch * seq
+    full = method == "full"
+    if grad_ckpt:
+        per_layer = [0 if offload else stream_bytes * T * hidden] * layers  # each block's input
+    else:
+        per_layer = [estimate_layer_activations(hidden, heads, kv_heads, intermediate, T, method, lora_r,
+                                                lora_targets, input_needs_grad=full or i > 0,
+                                                lora_input_cast=lora_input_cast, scores_per_token=scores_per_token)
+                     for i in range(layers)]
+    rest = 4 * T * hidden + 4 * T  # final norm: fp32 upcast + rstd
+    if full:
+        rest += 2 * T * hidden * 2 + 8 * T  # bf16 normalized (for the norm weight), LM head input, token ids
+    if not grad_ckpt:
+        rest += 2 * 2 * seq * (hidden // heads)  # RoPE cos and sin (bf16), shared by all layers
+    plain = loss == "plain"
+    rest += 8 * T if plain else 0  # the labels cross-entropy keeps
+    out = {"layers": sum(per_layer), "rest": rest, "log_softmax": 4 * T * vocab if plain else 0}
+    out["total"] = sum(out.values())
+    return out
+
+
+def estimate_memory(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int,
+                    seq: int, batch: int, method: str, lora_r: int = 16, lora_targets: str = "all-linear",
+                    grad_ckpt: bool = False, weight_dtype_bytes: int = 2, optimizer: str = "adamw",
+                    overhead_bytes: int = OVERHEAD_BYTES, loss: str = "chunked", lora_input_cast: bool = False,
+                    offload: bool = False, kbit_prepare: bool = False, embed_offload: bool = False,
+                    attention_scores: bool = False) -> dict:
+    """Predict the peak GPU memory (bytes, as `torch.cuda.max_memory_allocated` reports it) of one training
+    step of a Llama-shaped model with tunekit's loop, before loading anything. See the module docstring.
+
+    Returns the named parts, `total` (the predicted peak), `peak_at` (which moment of the step it is),
+    `cuda_context` and `device_total` (= total + cuda_context)."""
+    if method not in ("full", "lora", "qlora"):
+        raise ValueError(f"method: {method!r}; use 'full', 'lora' or 'qlora'")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer: {optimizer!r}; use one of {', '.join(OPTIMIZERS)} (config.OPTIMIZERS)")
+    if loss not in ("chunked", "plain"):
+        raise ValueError(f"loss: {loss!r}; use 'chunked' or 'plain'")
+    T = batch * seq
+    shapes = _linear_shapes(hidden, heads, kv_heads, intermediate)
+    linear = layers * sum(i * o for i, o in shapes.values())
+    other = 2 * vocab * hidden + (2 * layers + 1) * hidden  # embeddings, LM head (untied), norms
+    adapted = _lora_modules(method, lora_targets)
+    lora = layers * sum(lora_r * sum(shapes[n]) for n in adapted)
+    # peft's k-bit preparation upcasts QLoRA's non-4-bit weights, and with them the residual stream, to fp32
+    other_bytes = 4 if kbit_prepare and method == "qlora" else 2
+    if method == "qlora":
+        weights = int(linear * NF4_BYTES) + other_bytes * other
+    else:
+        weights = weight_dtype_bytes * (linear + other)
+    embed_offload = embed_offload and method != "full"
+    if embed_offload:  # the input table and the LM head live in CPU memory
+        weights -= 2 * other_bytes * vocab * hidden
+    trainable, train_bytes = (linear + other, weight_dtype_bytes) if method == "full" else (lora, 4)
+    states = {"adamw": 2 * train_bytes, "adamw8bit": 2}[optimizer]  # (8-bit block scales are ~0.1%)
+    parts = {
+        "weights": weights,
+        "lora": 4 * lora,
+        "optimizer": states * trainable,
+        "gradients": train_bytes * trainable,
+    }
+    scores = heads * seq if attention_scores else 0
+    saved = estimate_saved_activations(hidden, layers, heads, kv_heads, intermediate, vocab, seq, batch,
+                                       method, lora_r, lora_targets, grad_ckpt, lora_input_cast, loss, offload,
+                                       stream_bytes=other_bytes, scores_per_token=scores)
+    parts["activations"] = saved["layers"] + saved["rest"]
+    parts["recompute"] = (estimate_layer_activations(hidden, heads, kv_heads, intermediate, T, method, lora_r,
+                                                     lora_targets, lora_input_cast=lora_input_cast,
+                                                     scores_per_token=scores)
+                          + (2 * T * hidden if offload else 0)  # the block input, back from the CPU
+                          + 8 * T * scores  # materialized scores' backward: fp32 gradient in and out
+                          if grad_ckpt else 0)
+    if loss == "plain":  # log_softmax backward: bf16 logits + saved fp32 output + fp32 grad in + fp32 grad out
+        parts["logits"] = (2 + 4 + 4 + 4) * T * vocab
+    else:  # one chunk: bf16 logits + their fp32 upcast + the bf16 gradient; the hidden states' gradient
+        chunk = min(T, chunk_tokens(vocab))
+        parts["logits"] = (2 + 4 + 2) * chunk * vocab + 2 * T * hidden
+        if embed_offload:  # the head's bf16 copy, on the GPU for the loss only
+            parts["logits"] += 2 * vocab * hidden
+        if method == "full":  # the LM head's gradient, summed in fp32, and one chunk's bf16 share of it
+            parts["logits"] += (4 + 2) * vocab * hidden
+    parts["overhead"] = overhead_bytes
+    static = parts["weights"] + parts["lora"] + parts["optimizer"] + parts["overhead"]
+    moments = {
+        "loss backward": parts["activations"] + parts["logits"],
+        "first recomputed layer": parts["activations"] + parts["recompute"] + parts["gradients"],
+        "end of backward": parts["gradients"],
+    }
+    peak_at = max(moments, key=moments.get)
+    parts["total"] = static + moments[peak_at]
+    parts["peak_at"] = peak_at
+    parts["cuda_context"] = CUDA_CONTEXT_BYTES
+    parts["device_total"] = parts["total"] + CUDA_CONTEXT_BYTES
+    return parts
+
+
+def estimate_memory_for(hidden_size: int, num_layers: int, num_heads: int, intermediate_size: int,
+                        vocab_size: int, max_length: int, batch_size: int, method: str, num_kv_heads: int = 0,
+                        lora_r: int = 16, lora_targets: str = "all-linear", grad_ckpt: bool = False,
+                        loss: str = "chunked", lora_input_cast: bool = False, grad_ckpt_offload: bool = False,
+                        optimizer: str = "adamw", peft_kbit_prepare: bool = False, embed_offload: bool = False,
+                        attention: str = "auto", sdpa_backend: str = "auto", **_ignored) -> dict:
+    """`estimate_memory` from TuneConfig field names, so `estimate_memory_for(**config_dict(cfg))` works
+    (other fields are ignored; `vocab_size` must be set: a tokenizer's size is unknown before loading)."""
+    if not vocab_size:
+        raise ValueError("vocab_size is 0 (the tokenizer's size); pass the vocabulary size explicitly")
+    return estimate_memory(hidden_size, num_layers, num_heads, num_kv_heads or num_heads, intermediate_size,
+                           vocab_size, max_length, batch_size, method, lora_r, lora_targets, grad_ckpt,
+                           optimizer=optimizer, loss=loss, lora_input_cast=lora_input_cast,
+                           offload=grad_ckpt_offload, kbit_prepare=peft_kbit_prepare,
+                           embed_offload=embed_offload,
+                           attention_scores=attention == "eager" or sdpa_backend.split(",")[0].strip() == "math")
+
+
+def format_estimate(est: dict) -> str:
+    """One line: the parts in GB and the predicted peak."""
+    keys = ("weights", "lora", "optimizer", "gradients", "activations", "recompute", "logits", "overhead")
+    body = ", ".join(f"{k} {est[k] / 1e9:.2f}" for k in keys if est[k])
+    return f"{body} -> peak {est['total'] / 1e9:.2f} GB at {est['peak_at']}"
+
+
+# ---- what fits -----------------------------------------------------------------------------------------
+
+# What the caching allocator reserves per byte allocated, at a step's peak: the 90th percentile of
+# peak_reserved_gb / peak_memory_gb over the published step results (`reserve_factor_of` on
+# notebooks/results/*.json, H200, 2026-11-30: 1.209, rounded to 1.21; the median is 1.09). Nine in ten of
+# those steps reserved no more than this; a cap binds on reserved memory, so a batch is said to fit when
+# RESERVE_FACTOR x its estimate does. tests/test_memory.py re-derives it from the files.
+RESERVE_FACTOR = 1.21
+
+
+def reserve_factor_of(results: list[dict], quantile: float = 0.9) -> float:
+    """The `quantile` of reserved / allocated peak memory over results that record both (`peak_reserved_gb`,
+    `peak_memory_gb`): how `RESERVE_FACTOR` was derived."""
+    ratios = [r["peak_reserved_gb"] / r["peak_memory_gb"] for r in results
+              if r.get("peak_reserved_gb") and r.get("peak_memory_gb")]
+    if len(ratios) < 2:
+        raise ValueError("reserve_factor_of needs at least two results with peak_reserved_gb and peak_memory_gb")
+    return statistics.quantiles(ratios, n=100, method="inclusive")[round(quantile * 100) - 1]
+
+
+def largest_fitting(fits, limit: int = 4096) -> int:
+    """The largest n in [1, limit] with `fits(n)` true, assuming that fitting is monotonic (if n fits, so
+    does every smaller n): double from 1 until something does not fit, then bisect. 0 when 1 does not fit.
+    About 2 log2(answer) calls."""
+    if not fits(1):
+        return 0
+    good = 1
+    while good * 2 <= limit and fits(good * 2):
+        good *= 2
+    bad = min(good * 2, limit + 1)
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+    return good
+
+
+def estimate_max_batch(config: dict, budget_bytes: float, limit: int = 4096,
+                       reserve_factor: float = RESERVE_FACTOR) -> int:
+    """The largest micro-batch whose estimated peak (`estimate_memory_for(**config)`) times `reserve_factor`
+    fits `budget_bytes` of memory the allocator may reserve (a GPU's memory or a `memory.memory_cap`); 0 when
+    even 1 does not. `reserve_factor=1` answers for allocated memory alone. `config` is a `config_dict`."""
+    def fits(b: int) -> bool:
+        return estimate_memory_for(**{**config, "batch_size": b})["total"] * reserve_factor <= budget_bytes
+
+    return largest_fitting(fits, limit)
+
+
+def grad_accum_for(target_batch: int, micro_batch: int, world_size: int = 1) -> int:
+    """Micro-batches per step so that micro_batch * accum * world_size reaches at least `target_batch`."""
+    return max(1, -(-target_batch // (micro_batch * world_size)))
+
+
+def cannot_fit_message(config: dict, budget_bytes: float, reserve_factor: float = RESERVE_FACTOR) -> str:
+    """Why a config does not fit `budget_bytes` even at micro-batch 1, and the changes that would, each
+    with its estimated peak at batch 1 (changes are tried alone, then in the usual order of cost). As in
+    `estimate_max_batch`, a peak fits when `reserve_factor` times it is within the budget."""
+    def peak(**change) -> float:
+        return estimate_memory_for(**{**config, "batch_size": 1, **change})["total"]
+
+    base = peak()
+    lines = [(f"even micro-batch 1 does not fit: the estimated peak is {base / 1e9:.1f} GB allocated, "
+              f"~{base * reserve_factor / 1e9:.1f} GB reserved, at seq {config['max_length']}, against "
+              f"{budget_bytes / 1e9:.1f} GB allocatable. Peaks below are allocated memory; one fits when "
+              f"{reserve_factor:g}x it (reserved) does.")]
+    budget_bytes = budget_bytes / reserve_factor  # from here on, compare allocated peaks
+    options: list[tuple[str, dict]] = []
+    if not config.get("grad_ckpt"):
+        options.append(("--grad-ckpt (recompute activations in backward)", {"grad_ckpt": True}))
+    if config.get("method") in ("full", "lora"):
+        options.append(("--method qlora (4-bit base weights)", {"method": "qlora"}))
+    if config.get("loss") == "plain":
+        options.append(("--loss chunked (no full logits)", {"loss": "chunked"}))
+    if config.get("grad_ckpt") and not config.get("grad_ckpt_offload"):
+        options.append(("--grad-ckpt-offload (checkpoints in CPU memory)", {"grad_ckpt_offload": True}))
+    if config.get("method") != "full" and not config.get("embed_offload"):
+        options.append(("--embed-offload (embeddings and LM head in CPU memory)", {"embed_offload": True}))
+    if config.get("optimizer") == "adamw" and config.get("method") != "full":
+        options.append(("--optimizer adamw8bit", {"optimizer": "adamw8bit"}))
+    seq = config["max_length"]
+    while seq > 128 and peak(max_length=seq) > budget_bytes:
+        seq //= 2
+    if seq != config["max_length"] and peak(max_length=seq) <= budget_bytes:
+        options.append((f"--max-length {seq} (shorter sequences)", {"max_length": seq}))
+    applied: dict = {}
+    for label, change in options:
+        alone = peak(**change)
+        applied.update(change)
+        together = peak(**applied)
+        verdict = "fits" if alone <= budget_bytes else "does not fit"
+        lines.append(f"  {label}: {alone / 1e9:.1f} GB alone, {verdict}; "
+                     f"with the changes above too: {together / 1e9:.1f} GB")
+    if len(lines) == 1:
+        lines.append("  nothing tunekit can change fits it: use a GPU with more memory or shard across GPUs.")
+    return "\n".join(lines)
