@@ -26,6 +26,7 @@ def result(tmp_path_factory, small_data):
 
 
 def test_new_result_header(monkeypatch):
+    monkeypatch.delenv("TUNEKIT_COMMIT", raising=False)
     cfg = tiny()
     r = results.new_result("x", cfg, 12.5, 1.25, call="f(1)", extra=3)
     for key in (*results.REQUIRED_KEYS, *results.PROVENANCE_KEYS, "config", "versions", "extra"):
@@ -38,9 +39,11 @@ def test_new_result_header(monkeypatch):
     json.dumps(r)
 
 
-def test_provenance_without_git_reads_the_environment(monkeypatch):
-    monkeypatch.setattr(results, "_git", lambda *a: None)
+def test_provenance_from_the_environment_wins_over_git(monkeypatch):
     monkeypatch.setenv("TUNEKIT_COMMIT", "abc123")
+    monkeypatch.setenv("TUNEKIT_DIRTY", "0")
+    assert results.git_state() == ("abc123", False)  # even in a git checkout: its .git may be stale
+    monkeypatch.setattr(results, "_git", lambda *a: None)
     monkeypatch.setenv("TUNEKIT_DIRTY", "0")
     assert results.git_state() == ("abc123", False)
     monkeypatch.setenv("TUNEKIT_DIRTY", "1")

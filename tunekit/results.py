@@ -9,9 +9,10 @@ header, so a figure can always be traced to the code and the command behind it.
 A result is reused instead of re-measured (`reusable`) only when its config, GPU, package versions *and*
 `code_hash` all match: a change anywhere in `tunekit/` re-measures everything that depends on it.
 
-On a machine given a copy of the tree without `.git` (the GPU machine), set `TUNEKIT_COMMIT` to the commit
-the copy was made from and `TUNEKIT_DIRTY=0` if it had no uncommitted changes; `code_hash` is computed there
-from the files themselves, and `tests/test_results.py` checks it against the recorded commit.
+On a machine given a copy of the tree (the GPU machine), set `TUNEKIT_COMMIT` to the full hash of the commit
+the copy was made from and `TUNEKIT_DIRTY=0` if it had no uncommitted changes; they take precedence over
+git. `code_hash` is computed there from the files themselves, and `tests/test_results.py` checks it against
+the recorded commit, so a wrong commit cannot go unnoticed.
 """
 
 from __future__ import annotations
@@ -59,13 +60,17 @@ def _git(*args: str) -> str | None:
 
 
 def git_state() -> tuple[str | None, bool | None]:
-    """(commit, whether tunekit/ differs from it); from $TUNEKIT_COMMIT / $TUNEKIT_DIRTY where there is no git."""
+    """(commit, whether tunekit/ differs from it): $TUNEKIT_COMMIT / $TUNEKIT_DIRTY when set, else git.
+
+    The variables win over git because a copy of the tree can carry a stale `.git`: on the GPU machine the
+    copy's `.git` said HEAD was the session's first commit, so git reported that commit, dirty."""
+    if commit := os.environ.get("TUNEKIT_COMMIT"):
+        dirty = os.environ.get("TUNEKIT_DIRTY")
+        return commit, (None if dirty is None else dirty not in ("0", "false", ""))
     commit = _git("rev-parse", "HEAD")
     if commit:
         return commit, bool(_git("status", "--porcelain", "--", "tunekit"))
-    commit = os.environ.get("TUNEKIT_COMMIT") or None
-    dirty = os.environ.get("TUNEKIT_DIRTY")
-    return commit, (None if dirty is None else dirty not in ("0", "false", ""))
+    return None, None
 
 
 def entry_point() -> str:
@@ -174,9 +179,10 @@ def noise_band(a: dict, b: dict, noise: dict[str, dict] | None = None) -> float:
     two results' own step-time spread and the run-to-run spread measured for their batch size (a `noise_*`
     result: the same config benched in separate processes)."""
     band = max(a.get("step_time_spread") or 0.0, b.get("step_time_spread") or 0.0)
+    batch = min(r["config"]["batch_size"] for r in (a, b) if r.get("config"))  # a cited figure has no config
     for n in (noise or {}).values():
         if "between_run_spread" in n:
-            small = min(a["config"]["batch_size"], b["config"]["batch_size"]) <= 2
+            small = batch <= 2
             if (n["config"]["batch_size"] <= 2) == small:
                 band = max(band, n["between_run_spread"])
     return band
