@@ -13,7 +13,7 @@ import torch
 from helpers import SMALL_ARCH_ARGS
 
 from tunekit import cli
-from tunekit.config import REPO_ROOT, TuneConfig
+from tunekit.config import REPO_ROOT, RESUME_SAFE_FIELDS, TuneConfig
 
 SUBCOMMANDS = ["train", "bench", "prepare", "doctor"]
 
@@ -88,8 +88,77 @@ def test_train(tmp_path, small_data, capsys):
     out = capsys.readouterr().out
     assert "done: 3 steps" in out and str(run) in out
     # --resume after a finished run: nothing left to do, and it says so.
-    assert run_main(["train", "--resume", *small_args(tmp_path, small_data, "--max-steps", "3")]) == 0
+    assert run_main(["train", "--resume", *small_args(tmp_path, small_data, "--max-steps", "3", "--lr=1e-3")]) == 0
     assert "nothing to do" in capsys.readouterr().out
+
+
+# ---- runs that never lose work -------------------------------------------------------------------
+
+
+def test_a_second_run_into_the_same_folder_is_refused(tmp_path, small_data, capsys):
+    assert run_main(["train", *small_args(tmp_path, small_data, "--max-steps", "2")]) == 0
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert run_main(["train", *small_args(tmp_path, small_data, "--max-steps", "2", "--seed", "1")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tunekit train: error: {tmp_path / 'run'} holds another run")
+    assert "--overwrite" in err and "--resume" in err
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics
+    assert run_main(["train", "--overwrite", *small_args(tmp_path, small_data, "--max-steps", "2", "--seed", "1")]) == 0
+    assert "overwrite: removed the earlier run's" in capsys.readouterr().out
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["seed"] == 1
+
+
+def test_divergence_exits_1_with_one_line_and_keeps_the_metrics(tmp_path, small_data, capsys):
+    argv = small_args(tmp_path, small_data, "--max-steps", "6", "--lr", "1e20", "--max-grad-norm", "0",
+                      "--warmup-steps", "0")  # the first update throws the weights past fp32's range
+    assert run_main(["train", *argv]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("tunekit train: diverged at step 2: loss nan")
+    assert "last finite loss" in err and "last good checkpoint: none" in err
+
+    def refuse(token):
+        raise ValueError(f"{token} written to metrics.jsonl")
+
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line, parse_constant=refuse) for line in lines]
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["loss"] is None and rows[0]["loss"] > 0
+
+
+def test_resume_with_a_changed_config(tmp_path, small_data, capsys):
+    assert run_main(["train", *small_args(tmp_path, small_data, "--max-steps", "4", "--save-every", "2")]) == 0
+    capsys.readouterr()
+    assert run_main(["train", "--resume", *small_args(tmp_path, small_data, "--max-steps", "4", "--lr", "1e-3")]) == 2
+    err = capsys.readouterr().err
+    assert "lr: 0.003 -> 0.001" in err and "save_every: 2 -> 0" in err and "cannot change" in err
+    longer = small_args(tmp_path, small_data, "--max-steps", "6", "--save-every", "2")
+    assert run_main(["train", "--resume", *longer]) == 2
+    err = capsys.readouterr().err
+    assert "max_steps: 4 -> 6" in err and "--allow-config-change" in err
+    assert run_main(["train", "--resume", "--allow-config-change", *longer]) == 0
+    out = capsys.readouterr().out
+    assert "resume: max_steps: 4 -> 6 (--allow-config-change)" in out and "done: 6 steps" in out
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["train", "--resum"], "did you mean --resume?"),
+    (["train", "--overwr"], "did you mean --overwrite?"),
+    (["train", "--allow-config"], "did you mean --allow-config-change?"),
+    (["bench", "--rep", "2"], "did you mean --repeat?"),
+    (["results", "--update"], "--update"),
+])
+def test_options_are_never_abbreviated(argv, expected, tmp_path, capsys):
+    assert run_main([*argv, "--out-dir", str(tmp_path / "run")] if argv[0] != "results" else argv) == 2
+    assert expected in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_help_says_what_may_change_on_resume(capsys):
+    assert run_main(["train", "--help"]) == 0
+    flat = " ".join(capsys.readouterr().out.split())
+    assert "--overwrite" in flat and "--allow-config-change" in flat
+    for name in RESUME_SAFE_FIELDS:
+        assert name in flat, name
 
 
 def test_bench(tmp_path, small_data, capsys):
@@ -143,6 +212,10 @@ def test_doctor(capsys):
     (["bench", "--lr", "0"], "'lr'"),
     (["prepare", "--method", "bogus"], "'method'"),
     (["train", "--data", "/nonexistent.jsonl"], "/nonexistent.jsonl"),
+    (["train", "--lora-alpha", "0"], "'lora_alpha'"),  # a LoRA scale of 0 would train nothing
+    (["train", "--lr", "inf"], "'lr'"),
+    (["train", "--keep-checkpoints", "0"], "'keep_checkpoints'"),
+    (["train", "--resume", "--overwrite"], "--overwrite"),
 ])
 def test_bad_input_exits_2_with_message(argv, expected, tmp_path, capsys):
     argv = [*argv, "--out-dir", str(tmp_path / "run"), *SMALL_ARCH_ARGS]

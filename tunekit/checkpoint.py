@@ -5,14 +5,24 @@ PEFT adapter, or the full state dict), the optimizer and scheduler, every RNG st
 Everything is written into a temp folder and renamed into place only when complete (`atomic_output`,
 which every folder or file the project writes goes through), and the `latest` pointer
 is replaced atomically after that — a run killed mid-save leaves the previous checkpoint intact.
+
+`meta.json`, written last, records the sha256 and size of every file of the checkpoint. Loading checks them
+(a truncated, zeroed or bit-flipped file is named, not fed to torch), and resuming takes the newest
+checkpoint that verifies — whatever `latest` says, since a kill can fall between the rename and the pointer.
+
+The run folder (`open_run`): a new run refuses a folder that holds another one unless told to overwrite it; a
+resume refuses a config that differs from the saved one, except in `config.RESUME_SAFE_FIELDS` when allowed;
+temps left by killed writes are removed at the next start.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -20,7 +30,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tunekit.config import RESUME_SAFE_FIELDS, ConfigError, TuneConfig, config_dict, load_config
+
 LATEST = "latest"
+META = "meta.json"
+CKPT = re.compile(r"ckpt-(\d+)")
+# What a training run writes into its folder (`prepared/` is a cache of the tokenized data, not part of a run).
+RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", LATEST, "adapter", "model")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, truncated or corrupt; the message names it."""
+
+
+class RunFolderError(RuntimeError):
+    """The run folder holds another run, or a resume cannot continue what is there."""
 
 
 def _check_writable(path: Path) -> None:
@@ -122,30 +146,99 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model, optimizer, sch
             model.save_pretrained(tmp / "adapter")
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                     "rng": rng_state(), "data": data_state, "step": step}, tmp / "state.pt")
-        (tmp / "meta.json").write_text(json.dumps({"step": step, "data": data_state}) + "\n")
+        files = {str(f.relative_to(tmp)): {"sha256": _sha256(f), "bytes": f.stat().st_size}
+                 for f in sorted(tmp.rglob("*")) if f.is_file()}
+        (tmp / META).write_text(json.dumps({"step": step, "data": data_state, "files": files}, indent=1) + "\n")
     atomic_write_text(run_dir / LATEST, final.name + "\n")
-    old = sorted(p for p in run_dir.glob("ckpt-*") if p.is_dir() and p != final)
+    old = [p for p in checkpoints(run_dir) if p != final]
     for p in old[: max(0, len(old) - (keep - 1))]:
         shutil.rmtree(p, ignore_errors=True)
     return final
 
 
-def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """The `ckpt-<step>` folders of a run, oldest first (by step, not by name or time)."""
     run_dir = Path(run_dir)
-    pointer = run_dir / LATEST
-    if not pointer.exists():
-        return None
-    path = run_dir / pointer.read_text().strip()
-    if not (path / "state.pt").exists():
-        raise FileNotFoundError(f"{pointer} points at {path}, which is missing or incomplete. "
-                                f"Delete {pointer} to start over, or point it at an existing ckpt-* folder.")
-    return path
+    if not run_dir.is_dir():
+        return []
+    found = [p for p in run_dir.iterdir() if p.is_dir() and CKPT.fullmatch(p.name)]
+    return sorted(found, key=lambda p: int(CKPT.fullmatch(p.name)[1]))
 
 
-def load_checkpoint(path: str | os.PathLike, model, optimizer, scheduler) -> dict:
-    """Restore weights, optimizer, scheduler and RNG from `path`; return the saved data state and step."""
+def checkpoint_step(path: str | os.PathLike) -> int:
+    """The step a checkpoint was written at, from its `meta.json`."""
+    return json.loads((Path(path) / META).read_text())["step"]
+
+
+def verify_checkpoint(path: str | os.PathLike) -> str | None:
+    """None if every file of the checkpoint at `path` has the size and sha256 recorded when it was written;
+    otherwise what is wrong, naming the file."""
     path = Path(path)
-    trainable = torch.load(path / "trainable.pt", map_location="cpu", weights_only=True)
+    meta = path / META
+    try:
+        saved = json.loads(meta.read_text())
+        saved["step"]  # noqa: B018 - a meta.json without it is unreadable
+        # Written before checksums: check at least that its two files are there and not empty.
+        files = saved.get("files") or dict.fromkeys(("trainable.pt", "state.pt"))
+    except FileNotFoundError:
+        return f"{meta} is missing (the checkpoint was never finished)"
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{meta} is unreadable ({type(e).__name__}: {e})"
+    for name, want in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"{f} is missing"
+        size = f.stat().st_size
+        if want is None:
+            if size == 0:
+                return f"{f} is empty"
+            continue
+        if size != want["bytes"]:
+            return f"{f} is truncated or overwritten: {size} bytes, {want['bytes']} were written"
+        if _sha256(f) != want["sha256"]:
+            return f"{f} is corrupt: its sha256 differs from the one recorded when it was written"
+    return None
+
+
+def find_checkpoint(run_dir: str | os.PathLike) -> tuple[Path | None, list[str]]:
+    """(the newest checkpoint of `run_dir` that verifies, what is wrong with each newer one). The newest by
+    step, not the one `latest` names: a kill between the folder's rename and the pointer's update leaves
+    `latest` one checkpoint behind."""
+    bad = []
+    for path in reversed(checkpoints(run_dir)):
+        problem = verify_checkpoint(path)
+        if problem is None:
+            return path, bad
+        bad.append(problem)
+    return None, bad
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The newest checkpoint of `run_dir` that verifies (see `find_checkpoint`), or None."""
+    return find_checkpoint(run_dir)[0]
+
+
+def load_checkpoint(path: str | os.PathLike, model, optimizer, scheduler, verify: bool = True) -> dict:
+    """Restore weights, optimizer, scheduler and RNG from `path`; return the saved data state and step.
+    Checks every file against its recorded checksum first (`verify=False`: the caller just did)."""
+    path = Path(path)
+    if verify and (problem := verify_checkpoint(path)):
+        raise CheckpointError(f"cannot load checkpoint: {problem}")
+    loaded = {}
+    for name, weights_only in (("trainable.pt", True), ("state.pt", False)):
+        try:  # both files are read before anything changes, so a bad one leaves the model as it was
+            loaded[name] = torch.load(path / name, map_location="cpu", weights_only=weights_only)
+        except Exception as e:  # noqa: BLE001 - torch.load fails in many ways on a damaged file
+            raise CheckpointError(f"cannot load checkpoint file {path / name}: {type(e).__name__}: {e}") from None
+    trainable, state = loaded["trainable.pt"], loaded["state.pt"]
     params = dict(model.named_parameters())
     missing = [n for n in trainable if n not in params]
     if missing:
@@ -154,8 +247,88 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer, scheduler) -> dic
     with torch.no_grad():
         for n, t in trainable.items():
             params[n].copy_(t)
-    state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
     return {"step": state["step"], "data": state["data"]}
+
+
+# ---- the run folder ----------------------------------------------------------------------------------
+
+
+def run_contents(run_dir: str | os.PathLike) -> list[str]:
+    """The names of what a training run left in `run_dir` (config, metrics, checkpoints, outputs); [] if
+    it holds no run (absent, empty, or only prepared data)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    names = [n for n in RUN_FILES if (run_dir / n).exists()]
+    return names + [p.name for p in checkpoints(run_dir)]
+
+
+def remove_run(run_dir: str | os.PathLike) -> list[str]:
+    """Delete what a run left in `run_dir` (not `prepared/`, the reusable tokenized data); return the names."""
+    names = run_contents(run_dir)
+    for name in names:
+        _remove(Path(run_dir) / name)
+    return names
+
+
+def clean_temp(run_dir: str | os.PathLike) -> list[str]:
+    """Remove the hidden `.ckpt-*.tmp` folders and `.<file>.*.tmp` files that killed writes left in
+    `run_dir` (`atomic_output` and `atomic_write_text` name their temps so); return their names."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    found = sorted(p for p in run_dir.glob(".*.tmp"))
+    for p in found:
+        _remove(p)
+    return [p.name for p in found]
+
+
+def open_run(run_dir: Path, cfg: TuneConfig, resume: bool, overwrite: bool, allow_config_change: bool,
+             say=print) -> tuple[Path | None, list[str]]:
+    """Check the run folder before any data or model work; return (the checkpoint to resume from, the config
+    changes a resume allows). Removes temps that killed writes left; otherwise changes nothing."""
+    for name in clean_temp(run_dir):
+        say(f"removed {run_dir / name}, left by an interrupted write")
+    if not resume:
+        if (found := run_contents(run_dir)) and not overwrite:
+            raise RunFolderError(f"{run_dir} holds another run ({', '.join(found)}). Continue it with --resume, "
+                                 "replace it with --overwrite, or choose another --out-dir.")
+        return None, []
+    changes = check_resume_config(run_dir, cfg, allow_config_change)
+    ckpt, bad = find_checkpoint(run_dir)
+    if bad and ckpt is None:
+        raise CheckpointError(f"cannot resume {run_dir}: no checkpoint verifies:\n  " + "\n  ".join(bad)
+                              + "\nRestore the files, or start over with --overwrite.")
+    for problem in bad:
+        say(f"resume: {problem}; falling back to {ckpt}, the newest checkpoint that verifies")
+    return ckpt, changes
+
+
+def check_resume_config(run_dir: Path, cfg: TuneConfig, allow_change: bool) -> list[str]:
+    """Compare `cfg` (resolved) with the config the run in `run_dir` started with. Raise ConfigError listing
+    the differences, unless each is in RESUME_SAFE_FIELDS and `allow_change`; return those changes.
+    (`out_dir` is not compared: the folder is the run, however it is spelled.)"""
+    path = run_dir / "config.json"
+    if not path.exists():
+        if checkpoints(run_dir):
+            raise ConfigError(f"cannot resume {run_dir}: it has checkpoints but no config.json to check the "
+                              "config against. Put the run's config.json back, or start over with --overwrite.")
+        return []
+    saved, new = config_dict(load_config(path)), config_dict(cfg)
+    # Runs saved before config.json recorded resolved values say `auto`: whatever it resolved to then passes.
+    diffs = [(k, saved[k], new[k]) for k in new if k != "out_dir" and saved[k] != new[k]
+             and not (k in ("device", "dtype") and saved[k] == "auto")]
+    lines = [f"{k}: {old!r} -> {value!r}" for k, old, value in diffs]
+    unsafe = [k for k, _, _ in diffs if k not in RESUME_SAFE_FIELDS]
+    head = f"cannot resume {run_dir}: the config differs from the one it started with ({path}):\n  "
+    if unsafe:
+        raise ConfigError(head + "\n  ".join(lines) + f"\n{', '.join(unsafe)} cannot change in the middle of a "
+                          "run. Resume with the saved values, or start a new run in another --out-dir "
+                          "(--overwrite replaces this one).")
+    if diffs and not allow_change:
+        raise ConfigError(head + "\n  ".join(lines) + "\nThese may change on resume: say so with "
+                          "--allow-config-change.")
+    return lines

@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import ast
 import inspect
+import shlex
 import sys
 import textwrap
 
-from tunekit.config import PRESETS, ConfigError, TuneConfig, field_types, resolve
+from tunekit.config import PRESETS, RESUME_SAFE_FIELDS, ConfigError, TuneConfig, field_types, resolve
 
 
 def field_docs() -> dict[str, str]:
@@ -39,14 +40,26 @@ def fields_help() -> str:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tunekit", description=__doc__,
+    # allow_abbrev=False everywhere: `--resum` must not quietly mean `--resume`.
+    parser = argparse.ArgumentParser(prog="tunekit", description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    common = dict(formatter_class=argparse.RawDescriptionHelpFormatter, epilog=fields_help())
+    common = dict(formatter_class=argparse.RawDescriptionHelpFormatter, epilog=fields_help(), allow_abbrev=False)
     p = sub.add_parser("train", help="fine-tune a model", description="Train for --max-steps steps, "
-                       "checkpointing every --save-every; --resume continues from the latest checkpoint.", **common)
+                       "checkpointing every --save-every; --resume continues from the newest checkpoint\n"
+                       "that verifies. Ctrl-C or SIGTERM finishes the step, writes a checkpoint and prints the "
+                       "command that\nresumes (exit 130 / 143); a diverging run stops with exit 1.", **common)
     p.add_argument("--preset", default="tiny", help=f"one of {', '.join(PRESETS)} (default tiny)")
-    p.add_argument("--resume", action="store_true", help="continue from <out-dir>/latest")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out-dir from its newest checkpoint that verifies; the config must "
+                   "match the one the run started with")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run already in --out-dir (its files are deleted once the new run has "
+                   "started); without it, a folder holding another run is refused")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="with --resume, let these fields differ from the saved config: "
+                   f"{', '.join(RESUME_SAFE_FIELDS)} (a new max_steps recomputes the cosine schedule, so the "
+                   "learning rate jumps); any other change is refused")
     p = sub.add_parser("bench", help="time the training step and write a result JSON",
                        description="Warm up, time --bench-steps steps, report the median; write JSON.", **common)
     p.add_argument("--preset", default="tiny", help=f"one of {', '.join(PRESETS)} (default tiny)")
@@ -79,17 +92,43 @@ def make_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("prepare", help="tokenize the training data offline into <out-dir>/prepared", **common)
     p.add_argument("--preset", default="tiny", help=f"one of {', '.join(PRESETS)} (default tiny)")
     p.add_argument("--num-proc", type=int, default=None, help="tokenizer processes for datasets.map")
-    sub.add_parser("doctor", help="what this machine has: GPU, bf16, optional packages")
-    p = sub.add_parser("results", help="print a markdown table of the step-benchmark result files")
+    sub.add_parser("doctor", help="what this machine has: GPU, bf16, optional packages", allow_abbrev=False)
+    p = sub.add_parser("results", help="print a markdown table of the step-benchmark result files",
+                       allow_abbrev=False)
     p.add_argument("paths", nargs="*", help="result files or folders (default notebooks/results)")
     p.add_argument("--claims", action="store_true", help="print the article's claims judged from the files")
     p.add_argument("--update-readme", action="store_true",
                    help="rewrite README.md's generated tables (results, claims, reference) from notebooks/results")
+    parser.commands = sub.choices  # name -> subparser, for the leftover-argument check in main
     return parser
 
 
+def resume_command(argv: list[str]) -> str:
+    """The command line that continues the run `tunekit <argv>` started."""
+    args = [a for a in argv if a != "--overwrite"]
+    return shlex.join(["tunekit", *args, *([] if "--resume" in args else ["--resume"])])
+
+
+def unknown_arguments(command: argparse.ArgumentParser, rest: list[str], takes_fields: bool) -> str | None:
+    """What is wrong with the arguments argparse left over: one that abbreviates an option of `command`
+    (never accepted: `--resum` must not mean `--resume`), or, for a command without config fields, any."""
+    options = list(command._option_string_actions)
+    for arg in rest:
+        key = arg.split("=")[0]
+        close = [o for o in options if key.startswith("--") and len(key) > 2 and o.startswith(key) and o != key]
+        if close and key[2:].replace("-", "_") not in field_types():
+            return f"unknown option {key}: did you mean {' or '.join(close)}? (options are not abbreviated)"
+    return None if takes_fields or not rest else f"unrecognized arguments: {' '.join(rest)}"
+
+
 def main(argv: list[str] | None = None) -> int:
-    args, rest = make_parser().parse_known_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = make_parser()
+    args, rest = parser.parse_known_args(argv)
+    takes_fields = args.command not in ("doctor", "results")
+    if msg := unknown_arguments(parser.commands[args.command], rest, takes_fields):
+        print(f"tunekit {args.command}: error: {msg}", file=sys.stderr)
+        return 2
     if args.command == "doctor":
         from tunekit.doctor import main as doctor
 
@@ -109,16 +148,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tunekit results: error: {e}", file=sys.stderr)
             return 2
         return 0
+    if args.command == "train":
+        return _train(args, rest, argv)
     try:
         cfg = resolve(args.preset, rest)
-        if args.command == "train":
-            from tunekit.train import train
-
-            summary = train(cfg, resume=args.resume)
-            print(f"done: {summary['steps']} steps, loss {summary['losses'][0]:.3f} -> {summary['final_loss']:.3f}"
-                  if summary["losses"] else "done: nothing to do")
-            print(f"outputs in {summary['run_dir']}")
-        elif args.command == "bench":
+        if args.command == "bench":
             from tunekit.bench import measure_noise, run_bench
             from tunekit.results import save_result
 
@@ -173,6 +207,38 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError, RuntimeError, OSError) as e:
         print(f"tunekit {args.command}: error: {e}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _train(args, rest: list[str], argv: list[str]) -> int:
+    """`tunekit train`: exit 0 when done, 2 on bad input or a folder it must not touch, 1 when the run
+    diverged, 128 + the signal (130 for Ctrl-C, 143 for SIGTERM) when stopped — each with one line, no
+    traceback."""
+    early = "tunekit train: interrupted before training started; the run folder is as it was."
+    try:
+        from tunekit import train as tr
+    except KeyboardInterrupt:  # Ctrl-C while torch imports
+        print(early, file=sys.stderr)
+        return 130
+    try:
+        cfg = resolve(args.preset, rest)
+        summary = tr.train(cfg, resume=args.resume, overwrite=args.overwrite,
+                           allow_config_change=args.allow_config_change)
+    except (ConfigError, ValueError, FileNotFoundError, RuntimeError, OSError) as e:
+        print(f"tunekit train: error: {e}", file=sys.stderr)
+        return 2
+    except tr.Diverged as e:
+        print(f"tunekit train: {e}", file=sys.stderr)
+        return 1
+    except tr.Interrupted as e:
+        print(f"tunekit train: {e}. Continue with: {resume_command(argv)}", file=sys.stderr)
+        return 128 + e.signum
+    except KeyboardInterrupt:  # before train caught the signals
+        print(early, file=sys.stderr)
+        return 130
+    print(f"done: {summary['steps']} steps, loss {summary['losses'][0]:.3f} -> {summary['final_loss']:.3f}"
+          if summary["losses"] else "done: nothing to do")
+    print(f"outputs in {summary['run_dir']}")
     return 0
 
 

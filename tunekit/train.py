@@ -13,13 +13,24 @@ Speed choices, each with its reason:
 
 `micro_step` is a plain function of (model, batch, n_targets): later lessons compile it, wrap the model in
 FSDP or swap the loss for a fused kernel without touching the loop.
+
+Around the loop, nothing a user ran is lost (README, "Reliability"): a run folder holds one run (checked by
+`checkpoint.open_run` before any data or model work), its files are written once the run has started, a
+non-finite loss stops the run with its metrics row kept, and SIGINT/SIGTERM finish the step and checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
 import hashlib
 import json
 import math
+import shutil
+import signal
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -40,7 +51,21 @@ def resolve_runtime(cfg: TuneConfig) -> tuple[str, torch.dtype]:
                            "but none is visible (run `tunekit doctor`). On this machine use --preset tiny.")
     if cfg.method == "qlora":
         mdl.require_cuda_for_4bit(device)  # before data and model work, not after
+    if device == "cpu" and (threads := cpu_threads(cfg)):
+        torch.set_num_threads(threads)
     return device, mdl.resolve_dtype(cfg.dtype, device)
+
+
+def cpu_threads(cfg: TuneConfig) -> int:
+    """The CPU thread count a run on the CPU should use (see the config field `cpu_threads`); 0: leave
+    PyTorch's own choice alone."""
+    import os
+
+    if cfg.cpu_threads:
+        return cfg.cpu_threads
+    if os.environ.get("OMP_NUM_THREADS"):
+        return 0  # the user chose; torch already follows it
+    return 1 if cfg.hidden_size <= 1024 and not cfg.model else 0
 
 
 def training_texts(ds, source: str = "dataset") -> list[str]:
@@ -52,7 +77,7 @@ def training_texts(ds, source: str = "dataset") -> list[str]:
 def build_tokenizer(cfg: TuneConfig, records=None):
     if cfg.tokenizer or cfg.model:
         return mdl.load_tokenizer(cfg.tokenizer or cfg.model)
-    records = records if records is not None else data.load_records(cfg.data)
+    records = records if records is not None else data.load_records(cfg.data, fields=cfg.fields)
     return mdl.train_tokenizer(training_texts(records, cfg.data), cfg.tokenizer_vocab)
 
 
@@ -67,20 +92,24 @@ def prepare(cfg: TuneConfig, num_proc: int | None = None, verbose: bool = True):
     src = Path(data.resolve_source(cfg.data))
     stamp = f"{src.stat().st_size}:{src.stat().st_mtime_ns}" if src.is_file() else cfg.data
     key = hashlib.sha256(json.dumps([cfg.data, stamp, cfg.tokenizer or cfg.model, cfg.tokenizer_vocab,
-                                     cfg.max_length, cfg.packing == "pack"]).encode()).hexdigest()[:16]
+                                     cfg.max_length, cfg.packing == "pack", cfg.fields, cfg.response_template,
+                                     cfg.instruction_template, data.read_chat_template(cfg.chat_template)]
+                                    ).encode()).hexdigest()[:16]
     stats_file = out / "stats.json"
     if stats_file.exists() and json.loads(stats_file.read_text()).get("key") == key:
         from transformers import AutoTokenizer
 
-        stats = json.loads(stats_file.read_text())
+        stats = {**json.loads(stats_file.read_text()), "cached": True}  # this run reused the prepared data
         if verbose:
             print(f"data: reusing {out} ({stats['samples']} samples, {stats['tokens']} tokens)")
         return AutoTokenizer.from_pretrained(str(out / "tokenizer")), datasets.load_from_disk(str(out / "dataset")), stats
-    if not verbose:
+    if not verbose or not _on_terminal():  # progress bars are carriage returns in a log file
         datasets.disable_progress_bars()
-    records = data.load_records(cfg.data)
+    records = data.load_records(cfg.data, fields=cfg.fields)
     tokenizer = build_tokenizer(cfg, records)
-    ds, stats = data.tokenize_dataset(records, tokenizer, cfg.max_length, num_proc=num_proc, source=cfg.data)
+    ds, stats = data.tokenize_dataset(records, tokenizer, cfg.max_length, num_proc=num_proc, source=cfg.data,
+                                      response_template=cfg.response_template,
+                                      instruction_template=cfg.instruction_template, chat_template=cfg.chat_template)
     if cfg.packing == "pack":
         ds = data.pack_dataset(ds, cfg.max_length)
         stats["packed_rows"] = len(ds)
@@ -245,6 +274,7 @@ def batches_from(ds, cfg: TuneConfig, pad_id: int, epoch: int, start_batch: int)
                                    pin_memory=cfg.pin_memory and torch.cuda.is_available(),
                                    prefetch_factor=cfg.prefetch_factor, persistent_workers=cfg.persistent_workers,
                                    group_by_length=cfg.packing == "group")
+    loader.worker_init_fn = functools.partial(_worker_init, loader.worker_init_fn)
     while True:
         for i, batch in enumerate(loader, start_batch):
             yield epoch, i, batch
@@ -252,94 +282,234 @@ def batches_from(ds, cfg: TuneConfig, pad_id: int, epoch: int, start_batch: int)
         loader.sampler.set_epoch(epoch)
 
 
+def _worker_init(then, worker_id: int) -> None:
+    """DataLoader workers leave SIGINT and SIGTERM (Ctrl-C and `kill` reach the whole process group) to the
+    training process, which finishes its step, saves and then shuts them down. Left to torch, they die, and
+    the training process fails with "DataLoader worker ... killed by signal" wherever it is, before saving."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if then is not None:
+        then(worker_id)
+
+
+# ---- stopping without losing work: divergence, signals, what the run records ------------------------
+
+
+class Diverged(FloatingPointError):
+    """The loss or the gradient norm stopped being finite; the metrics row of that step was written."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM stopped the run at `step` (the last step finished); `checkpoint` is what a resume
+    continues from (None: it starts over); `what` says what happened to the step and the checkpoint."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Path | None, what: str):
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        super().__init__(f"interrupted by {signal.Signals(signum).name} {what}")
+
+
+def resolved_config(cfg: TuneConfig, device: str, dtype: torch.dtype) -> TuneConfig:
+    """`cfg` with what `auto` and the empty out_dir resolved to here: what the run's config.json records."""
+    name = {v: k for k, v in mdl.DTYPE.items()}[dtype]
+    return dataclasses.replace(cfg, device=device, dtype=name, out_dir=str(cfg.run_dir()))
+
+
+def _json_line(row: dict) -> str:
+    """One metrics row; a non-finite number becomes null, since NaN/Infinity are not JSON."""
+    clean = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()}
+    return json.dumps(clean, allow_nan=False) + "\n"
+
+
+@contextlib.contextmanager
+def stop_requests(progress: dict):
+    """Catch SIGINT and SIGTERM for the run. Before training starts a signal stops at once (nothing has been
+    written). Once `progress["started"]`, the first one only sets `progress["signal"]`: the loop finishes its
+    step, writes a checkpoint and raises `Interrupted`; a second one raises at once, abandoning the step.
+    Outside the main thread signals cannot be caught, and nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield progress
+        return
+
+    def handler(signum, frame):
+        if progress["started"] and progress["signal"] is None:
+            progress["signal"] = signum
+            return
+        step, ckpt = progress["step"], progress["checkpoint"]
+        what = (f"at step {step}, abandoning the step under way; last checkpoint: {ckpt or 'none'}"
+                if progress["started"] else "before training started; the run folder is as it was")
+        raise Interrupted(signum, step, ckpt, what)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield progress
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
 # ---- the run -----------------------------------------------------------------------------------------
 
 
-def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, progress: bool = True) -> dict:
-    """Train `cfg.max_steps` steps; checkpoint every `save_every`; with `resume`, continue from the latest
-    checkpoint exactly. `stop_after` ends the process's work after that step (as a kill would) — for
-    time-boxed sessions and the resume test. Returns a summary with the loss curve."""
+def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, progress: bool = True,
+          overwrite: bool = False, allow_config_change: bool = False) -> dict:
+    """Train `cfg.max_steps` steps; checkpoint every `save_every`; with `resume`, continue from the newest
+    checkpoint that verifies, exactly. `stop_after` ends the process's work after that step (as a kill
+    would) — for time-boxed sessions and the resume test. Returns a summary with the loss curve.
+
+    Nothing is lost: a folder holding another run is refused unless `overwrite` (its files are deleted once
+    the new run has started); run files are written only once data and model are built; a resume refuses a
+    changed config unless every change is in `config.RESUME_SAFE_FIELDS` and `allow_config_change`. A
+    non-finite loss or gradient norm writes its metrics row and raises `Diverged`; SIGINT/SIGTERM finish the
+    step, write a checkpoint and raise `Interrupted`."""
     from tqdm.auto import tqdm
 
+    if resume and overwrite:
+        raise ValueError("--resume continues the run in the folder and --overwrite replaces it: pick one.")
     device, dtype = resolve_runtime(cfg)
+    resolved = resolved_config(cfg, device, dtype)
     run_dir = cfg.run_dir()
+    say = print if progress else (lambda *a, **k: None)
+    state = {"started": False, "signal": None, "step": 0, "checkpoint": None}  # shared with the signal handler
+    with _removed_if_left_empty(run_dir), stop_requests(state):
+        ckpt, changes = checkpoint.open_run(run_dir, resolved, resume, overwrite, allow_config_change, say)
+        step = checkpoint.checkpoint_step(ckpt) if ckpt else 0
+        if step >= cfg.max_steps:  # before the data and the model are built
+            say(f"nothing to do: {run_dir} already ran {step} of {cfg.max_steps} steps")
+            done = run_dir / "summary.json"
+            stats = json.loads(done.read_text()).get("data") if done.exists() else None
+            return {"steps": step, "losses": [], "final_loss": None, "data": stats, "run_dir": str(run_dir)}
+
+        tokenizer, ds, stats = prepare(cfg, verbose=progress)
+        say(data.preview(ds, tokenizer, stats))  # one sample as the model sees it, the masked part marked
+        if len(ds) < cfg.batch_size:
+            raise ValueError(f"{cfg.data}: {len(ds)} samples, fewer than one batch of {cfg.batch_size}.")
+        torch.manual_seed(cfg.seed)
+        model, optimizer, scheduler, options = build_training(cfg, len(tokenizer), device, dtype, cfg.max_steps,
+                                                              progress)
+        epoch, start_batch = 0, 0
+        if ckpt is not None:
+            saved = checkpoint.load_checkpoint(ckpt, model, optimizer, scheduler, verify=False)  # open_run did
+            step, epoch, start_batch = saved["step"], saved["data"]["epoch"], saved["data"]["next_batch"]
+            say(f"resume: from {ckpt} (step {step}, epoch {epoch}, batch {start_batch})")
+        elif resume:
+            say(f"resume: no checkpoint in {run_dir}; starting fresh")
+        for change in changes:
+            say(f"resume: {change} (--allow-config-change)")
+
+        # The run has started: only now are its files written (a failed start leaves the folder as it was).
+        state.update(started=True, step=step, checkpoint=ckpt)  # a signal from here on stops at a step's end
+        if overwrite and (removed := checkpoint.remove_run(run_dir)):
+            say(f"overwrite: removed the earlier run's {', '.join(removed)} from {run_dir}")
+        if ckpt is not None:  # checkpoints newer than it failed to verify: their steps are done again
+            found = checkpoint.checkpoints(run_dir)
+            for later in found[found.index(ckpt) + 1:]:
+                shutil.rmtree(later, ignore_errors=True)
+        metrics_file = run_dir / "metrics.jsonl"
+        rows = [r for r in _read_metrics(metrics_file) if r["step"] <= step] if ckpt else []  # drop later steps
+        checkpoint.atomic_write_text(metrics_file, "".join(_json_line(r) for r in rows))
+        save_config(resolved, run_dir / "config.json")
+        last_finite = next(((r["step"], r["loss"]) for r in reversed(rows) if r["loss"] is not None), None)
+
+        stream = batches_from(ds, cfg, tokenizer.pad_token_id, epoch, start_batch)
+        # A bar of carriage returns only on a terminal; sent to a file, the log is plain lines.
+        bar = tqdm(total=cfg.max_steps, initial=step, desc="train") if progress and _on_terminal() else None
+        memory.reset_peak_memory(device)
+        t_last, tokens_since, losses, saved_at = time.perf_counter(), 0, [], step
+        position = {"epoch": epoch, "next_batch": start_batch}  # of the last finished step
+        with open(metrics_file, "a") as mf:
+            while step < cfg.max_steps and state["signal"] is None:
+                micro = []
+                for _ in range(cfg.grad_accum):
+                    epoch, index, batch = next(stream)
+                    tokens_since += int(batch.pop("attention_mask").sum())  # real tokens, counted on the host
+                    micro.append(to_device(batch, device))
+                out = train_step(model, micro, optimizer, scheduler, cfg.max_grad_norm, **options)
+                step += 1
+                position = {"epoch": epoch, "next_batch": index + 1}
+                loss, grad_norm = out["loss"].item(), float(out["grad_norm"])
+                losses.append(loss)
+                diverged = not (math.isfinite(loss) and math.isfinite(grad_norm))
+                if diverged or step % cfg.log_every == 0 or step == cfg.max_steps:
+                    now = time.perf_counter()
+                    alloc, _ = memory.peak_memory_gb(device)
+                    row = {"step": step, "loss": round(loss, 6), "lr": scheduler.get_last_lr()[0],
+                           "grad_norm": round(grad_norm, 6), "epoch": epoch,
+                           "tok_per_s": round(tokens_since / (now - t_last), 1), "peak_mem_gb": round(alloc, 3)}
+                    mf.write(_json_line(row))
+                    mf.flush()
+                    if bar is not None:
+                        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tok_per_s']:.0f}", mem=f"{alloc:.1f}G")
+                    else:
+                        say(f"step {step}/{cfg.max_steps}: loss {loss:.4f}, lr {row['lr']:.3g}, grad norm "
+                            f"{grad_norm:.3g}, {row['tok_per_s']:,.0f} tok/s, peak {alloc:.2f} GB", flush=True)
+                    t_last, tokens_since = now, 0
+                if diverged:
+                    if bar is not None:
+                        bar.close()
+                    last = (f"last finite loss {last_finite[1]:.4f} at step {last_finite[0]}" if last_finite
+                            else "no finite loss before it")
+                    raise Diverged(f"diverged at step {step}: loss {loss}, grad norm {grad_norm} ({last}); last "
+                                   f"good checkpoint: {state['checkpoint'] or 'none'}. Lower --lr or clip with "
+                                   "--max-grad-norm, and start again.")
+                last_finite = (step, loss)
+                if bar is not None:
+                    bar.update(1)
+                if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
+                    state["checkpoint"] = checkpoint.save_checkpoint(run_dir, step, model, optimizer, scheduler,
+                                                                     position, cfg.keep_checkpoints)
+                    saved_at = step
+                state["step"] = step
+                if stop_after is not None and step >= stop_after:
+                    break
+        if bar is not None:
+            bar.close()
+        if state["signal"] is not None and step < cfg.max_steps:
+            if saved_at != step:
+                state["checkpoint"] = checkpoint.save_checkpoint(run_dir, step, model, optimizer, scheduler,
+                                                                 position, cfg.keep_checkpoints)
+                what = f"at step {step}; checkpoint written: {state['checkpoint']}"
+            elif state["checkpoint"] is not None:
+                what = f"at step {step}; its checkpoint is {state['checkpoint']}"
+            else:
+                what = "before the first step finished; no checkpoint"
+            raise Interrupted(state["signal"], step, state["checkpoint"], what)
+        summary = {"steps": step, "losses": losses, "final_loss": losses[-1] if losses else None,
+                   "data": stats, "run_dir": str(run_dir)}
+        if step >= cfg.max_steps:  # (a signal now changes nothing: the run is finishing)
+            checkpoint.save_checkpoint(run_dir, step, model, optimizer, scheduler, position, cfg.keep_checkpoints)
+            # LoRA: the PEFT adapter folder; full fine-tuning: the whole model, loadable with from_pretrained.
+            mdl.save_adapter(model, run_dir / ("adapter" if cfg.method != "full" else "model"))
+            checkpoint.atomic_write_json(run_dir / "summary.json", {k: v for k, v in summary.items() if k != "losses"})
+        return summary
+
+
+def _on_terminal() -> bool:
+    return sys.stdout.isatty() and sys.stderr.isatty()
+
+
+@contextlib.contextmanager
+def _removed_if_left_empty(run_dir: Path):
+    """Create `run_dir` (checking that it can be written) and, if the run fails to start, leave no empty
+    folder behind."""
+    created = not run_dir.exists()
     checkpoint._check_writable(run_dir)
-    save_config(cfg, run_dir / "config.json")
-    tokenizer, ds, stats = prepare(cfg, verbose=progress)
-    if len(ds) < cfg.batch_size:
-        raise ValueError(f"{cfg.data}: {len(ds)} samples, fewer than one batch of {cfg.batch_size}.")
-    torch.manual_seed(cfg.seed)
-    model, optimizer, scheduler, options = build_training(cfg, len(tokenizer), device, dtype, cfg.max_steps, progress)
-
-    step, epoch, start_batch = 0, 0, 0
-    metrics_file = run_dir / "metrics.jsonl"
-    ckpt = checkpoint.latest_checkpoint(run_dir) if resume else None
-    if ckpt is not None:
-        saved = checkpoint.load_checkpoint(ckpt, model, optimizer, scheduler)
-        step, epoch, start_batch = saved["step"], saved["data"]["epoch"], saved["data"]["next_batch"]
-        rows = [r for r in _read_metrics(metrics_file) if r["step"] <= step]  # drop steps after the checkpoint
-        checkpoint.atomic_write_text(metrics_file, "".join(json.dumps(r) + "\n" for r in rows))
-        if progress:
-            print(f"resume: from {ckpt} (step {step}, epoch {epoch}, batch {start_batch})")
-    elif resume and progress:
-        print(f"resume: no checkpoint in {run_dir}; starting fresh")
-    if ckpt is None:
-        metrics_file.write_text("")
-    index = start_batch - 1
-    if step >= cfg.max_steps:
-        if progress:
-            print(f"nothing to do: {run_dir} already ran {step} of {cfg.max_steps} steps")
-        return {"steps": step, "losses": [], "final_loss": None, "data": stats, "run_dir": str(run_dir)}
-
-    stream = batches_from(ds, cfg, tokenizer.pad_token_id, epoch, start_batch)
-    bar = tqdm(total=cfg.max_steps, initial=step, disable=not progress, desc="train")
-    memory.reset_peak_memory(device)
-    t_last, tokens_since, losses = time.perf_counter(), 0, []
-    with open(metrics_file, "a") as mf:
-        while step < cfg.max_steps:
-            micro = []
-            for _ in range(cfg.grad_accum):
-                epoch, index, batch = next(stream)
-                tokens_since += int(batch.pop("attention_mask").sum())  # real tokens, counted on the host
-                micro.append(to_device(batch, device))
-            out = train_step(model, micro, optimizer, scheduler, cfg.max_grad_norm, **options)
-            step += 1
-            loss = out["loss"].item()
-            losses.append(loss)
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"step {step}: loss is {loss}. Lower --lr or check the data.")
-            if step % cfg.log_every == 0 or step == cfg.max_steps:
-                now = time.perf_counter()
-                alloc, _ = memory.peak_memory_gb(device)
-                row = {"step": step, "loss": round(loss, 6), "lr": scheduler.get_last_lr()[0],
-                       "grad_norm": round(float(out["grad_norm"]), 6), "epoch": epoch,
-                       "tok_per_s": round(tokens_since / (now - t_last), 1), "peak_mem_gb": round(alloc, 3)}
-                mf.write(json.dumps(row) + "\n")
-                mf.flush()
-                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tok_per_s']:.0f}", mem=f"{alloc:.1f}G")
-                t_last, tokens_since = now, 0
-            bar.update(1)
-            if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
-                checkpoint.save_checkpoint(run_dir, step, model, optimizer, scheduler,
-                                           {"epoch": epoch, "next_batch": index + 1})
-            if stop_after is not None and step >= stop_after:
-                break
-    bar.close()
-    summary = {"steps": step, "losses": losses, "final_loss": losses[-1] if losses else None,
-               "data": stats, "run_dir": str(run_dir)}
-    if step >= cfg.max_steps:
-        checkpoint.save_checkpoint(run_dir, step, model, optimizer, scheduler,
-                                   {"epoch": epoch, "next_batch": index + 1})
-        # LoRA: the PEFT adapter folder; full fine-tuning: the whole model, loadable with from_pretrained.
-        mdl.save_adapter(model, run_dir / ("adapter" if cfg.method != "full" else "model"))
-        checkpoint.atomic_write_json(run_dir / "summary.json", {k: v for k, v in summary.items() if k != "losses"})
-    return summary
+    try:
+        yield
+    finally:
+        if created and run_dir.is_dir() and not any(run_dir.iterdir()):
+            run_dir.rmdir()
 
 
 def _read_metrics(path: Path) -> list[dict]:
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in lines[:-1]]
+    try:
+        rows += [json.loads(line) for line in lines[-1:]]
+    except json.JSONDecodeError:  # the last row of a run killed while writing it
+        pass
+    return rows
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
