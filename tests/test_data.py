@@ -222,6 +222,217 @@ def test_chat_dataset_end_to_end(tmp_path, tokenizer):
     assert data.record_text(CHATS[1], (), "messages") == "Hi\nHello!"
 
 
+# ---- users' own data: field mapping, instances, response templates, chat templates ---------------
+
+GUANACO = [  # one `text` field per record, the way openassistant-guanaco stores it
+    {"text": "### Human: What is 2+2?### Assistant: It is 4."},
+    {"text": "### Human: Name a colour.### Assistant: Blue.### Human: Another?### Assistant: Red."},
+]
+
+
+def test_field_mapping_renames_onto_a_layout(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "own.jsonl", [{"q": "What is 2+2?", "a": "4", "id": 1},
+                                                {"q": "What is 3+3?", "a": "6", "id": 2}])
+    with pytest.raises(DataError, match="none of the known layouts"):  # without a mapping
+        data.tokenize_dataset(data.load_records(str(path)), tokenizer, 64)
+    ds = data.load_records(str(path), fields="question=q,answer=a")
+    assert ds.column_names == ["question", "answer"] and ds.cache_files  # still file-backed: cacheable
+    tok, _ = data.tokenize_dataset(ds, tokenizer, 64)
+    assert tok[0]["input_ids"] == tokenize_one(tokenizer, {"question": "What is 2+2?", "answer": "4"})["input_ids"]
+    # The layout named is the format used: prompt/response takes the prompt as it is.
+    ds = data.load_records(str(path), fields="prompt=q,response=a")
+    assert ds.column_names == ["prompt", "response"]
+    sample = data.tokenize_dataset(ds, tokenizer, 64)[0][1]
+    assert tokenizer.decode(sample["input_ids"]) == "<|bos|>What is 3+3?6<|eos|>"
+    assert [tokenizer.decode(r) for r in trained_runs(sample)] == ["6<|eos|>"]
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("prompt=q", r"prompt is not one whole layout; map every field of one of: .*prompt\+response"),
+    ("prompt=q,reply=a", r"'reply' is not a layout field; the layout fields are .*instances"),
+    ("prompt", r"'prompt' is not LAYOUT_FIELD=YOUR_FIELD"),
+    ("prompt=q,response=q", r"each layout field and each of your fields may appear once"),
+    ("question=q,answer=solution", r"names \['solution'\], which the data does not have \(it has \['a', 'q'\]\)"),
+])
+def test_field_mapping_errors(tmp_path, spec, match):
+    path = write_jsonl(tmp_path / "own.jsonl", [{"q": "What is 2+2?", "a": "4"}])
+    with pytest.raises(DataError, match=match):
+        data.load_records(str(path), fields=spec)
+
+
+def test_template_fields_are_config_fields_on_the_command_line():
+    from tunekit import config
+
+    cfg = config.resolve("tiny", ["--fields", "prompt=q,response=a", "--response-template", "### Assistant:",
+                                  "--instruction-template", "### Human:", "--chat-template", "chatml"])
+    assert (cfg.fields, cfg.response_template, cfg.instruction_template, cfg.chat_template) == (
+        "prompt=q,response=a", "### Assistant:", "### Human:", "chatml")
+    with pytest.raises(config.ConfigError, match=r"config field 'fields' = 'prompt=q': prompt is not one whole"):
+        config.tiny(fields="prompt=q")
+    with pytest.raises(config.ConfigError, match="instruction_template"):
+        config.tiny(instruction_template="### Human:")
+
+
+def test_instruction_with_instances_expands_one_sample_per_instance(tmp_path, tokenizer):
+    records = [{"instruction": "Add the numbers.", "instances": [{"input": "2 and 3", "output": "5"},
+                                                                  {"input": "1 and 1", "output": "2"}]},
+               {"instruction": "Say hello.", "instances": [{"input": "", "output": "Hello!"}]}]
+    ds = data.load_records(str(write_jsonl(tmp_path / "tasks.jsonl", records)), cache_dir=tmp_path / "cache")
+    assert ds[:] == {"instruction": ["Add the numbers.", "Add the numbers.", "Say hello."],
+                     "input": ["2 and 3", "1 and 1", ""], "output": ["5", "2", "Hello!"]}
+    tok, stats = data.tokenize_dataset(ds, tokenizer, 128)
+    assert stats["samples"] == 3
+    assert tok[1]["labels"] == tokenize_one(tokenizer, {"instruction": "Add the numbers.", "input": "1 and 1",
+                                                        "output": "2"})["labels"]
+    # Other names, through the mapping: input/output then name the keys inside each instance.
+    other = [{"definition": "Add.", "examples": [{"x": "2 3", "y": "5"}]}]
+    path = write_jsonl(tmp_path / "other.jsonl", other)
+    ds = data.load_records(str(path), fields="instruction=definition,instances=examples,input=x,output=y")
+    assert ds[:] == {"instruction": ["Add."], "input": ["2 3"], "output": ["5"]}
+
+
+@pytest.mark.parametrize("good, instances, match", [
+    ({"input": "1 1", "output": 2}, [{"input": "2 3", "output": 2}, {"input": "2 3", "output": 5}],
+     r"record 1: instance 1: 'output' is a number \(2\), expected text"),  # one type per field, or arrow refuses
+    ({"input": "1 1", "output": "2"}, [{"input": "2 3"}], r"record 2: instance 1: missing field 'output'"),
+    ({"input": "1 1", "output": "2"}, [], r"record 2: 'instances' must be a non-empty list"),
+])
+def test_bad_instances_name_the_record_and_instance(tmp_path, good, instances, match):
+    records = [{"instruction": "Add.", "instances": [good]}, {"instruction": "Add.", "instances": instances}]
+    path = write_jsonl(tmp_path / "tasks.jsonl", records)
+    with pytest.raises(DataError, match=match):
+        data.load_records(str(path), cache_dir=tmp_path / "cache")
+
+
+def test_response_template_trains_only_after_the_marker(tmp_path, tokenizer):
+    ds = data.load_records(str(write_jsonl(tmp_path / "g.jsonl", GUANACO)))
+    plain, _ = data.tokenize_dataset(ds, tokenizer, 256)
+    assert trained_runs(plain[0]) == [plain[0]["input_ids"][1:]]  # without it the question trains too
+    tok, stats = data.tokenize_dataset(ds, tokenizer, 256, response_template="### Assistant:")
+    assert not stats["cached"]  # another template is another tokenization
+    first, second = tok[0], tok[1]
+    assert tokenizer.decode(first["input_ids"]) == "<|bos|>" + GUANACO[0]["text"] + "<|eos|>"
+    assert [tokenizer.decode(r) for r in trained_runs(first)] == [" It is 4.<|eos|>"]
+    # Several markers, no instruction template: the last reply alone, as TRL's completion-only collator.
+    assert [tokenizer.decode(r) for r in trained_runs(second)] == [" Red.<|eos|>"]
+
+
+def test_instruction_template_trains_every_reply(tmp_path, tokenizer):
+    ds = data.load_records(str(write_jsonl(tmp_path / "g.jsonl", GUANACO)))
+    tok, _ = data.tokenize_dataset(ds, tokenizer, 256, response_template="### Assistant:",
+                                   instruction_template="### Human:")
+    assert [tokenizer.decode(r) for r in trained_runs(tok[1])] == [" Blue.", " Red.<|eos|>"]
+    assert data.split_at_markers("A: x B: y A: z", "B:", "A:") == [("A: x B:", False), (" y ", True),
+                                                                  ("A: z", False)]
+
+
+def test_record_without_the_marker_is_an_error_naming_it(tmp_path, tokenizer):
+    """Decided: an error naming the record (not a silent drop): a wrong marker would otherwise drop every record."""
+    records = GUANACO + [{"text": "### Human: Hi\nAssistant: Hello"}]
+    path = write_jsonl(tmp_path / "g.jsonl", records)
+    ds = data.load_records(str(path), cache_dir=tmp_path / "cache")
+    with pytest.raises(DataError) as e:
+        data.tokenize_dataset(ds, tokenizer, 256, source=str(path), response_template="### Assistant:")
+    msg = str(e.value)
+    assert f"{path}: record 3: no response marker '### Assistant:' in its text" in msg
+    assert "'### Human: Hi\\nAssistant: Hello'" in msg and "Fix or remove the record" in msg
+    assert files_under(tmp_path / "cache") == CONVERTED
+
+
+def test_templates_refused_where_they_do_not_apply(tmp_path, tokenizer, small_data):
+    qa = data.load_records(str(small_data))
+    with pytest.raises(DataError, match="applies to single-text records .* question/answer layout"):
+        data.tokenize_dataset(qa, tokenizer, 128, response_template="### Assistant:")
+    with pytest.raises(DataError, match="--chat-template applies to chats"):
+        data.tokenize_dataset(qa, tokenizer, 128, chat_template="chatml")
+
+
+def test_chat_template_option(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "chat.jsonl", CHATS)
+    ds = data.load_records(str(path))
+    chatml, _ = data.tokenize_dataset(ds, tokenizer, 512, chat_template="chatml")
+    assert tokenizer.decode(chatml[1]["input_ids"]) == tokenizer.apply_chat_template(
+        CHATS[1]["messages"], tokenize=False, chat_template=data.CHATML)
+    assert [tokenizer.decode(r) for r in trained_runs(chatml[1])] == ["Hello!<|im_end|>\n"]
+    # A template file gives the same as the same template by name.
+    (tmp_path / "t.jinja").write_text(data.CHATML)
+    from_file, _ = data.tokenize_dataset(ds, tokenizer, 512, chat_template=str(tmp_path / "t.jinja"))
+    assert from_file["input_ids"][:] == chatml["input_ids"][:]
+    # builtin ignores the tokenizer's own template; tokenizer needs one.
+    templated = copy.deepcopy(tokenizer)
+    templated.chat_template = CHATML
+    builtin, _ = data.tokenize_dataset(ds, templated, 512, chat_template="builtin")
+    assert builtin[1]["input_ids"] == tokenize_one(tokenizer, CHATS[1])["input_ids"]
+    with pytest.raises(DataError, match="chat_template 'tokenizer': this tokenizer has no chat template"):
+        data.tokenize_dataset(ds, tokenizer, 512, chat_template="tokenizer")
+    with pytest.raises(DataError, match="chat_template 'nope.jinja': no such file"):
+        data.tokenize_dataset(ds, tokenizer, 512, chat_template="nope.jinja")
+
+
+def test_sharegpt_turns_through_the_mapping(tmp_path, tokenizer):
+    sharegpt = [{"conversations": [{"from": "human", "value": m["content"]} if m["role"] == "user"
+                                   else {"from": "gpt", "value": m["content"]} for m in CHATS[1]["messages"]]}]
+    ds = data.load_records(str(write_jsonl(tmp_path / "sg.jsonl", sharegpt)), fields="messages=conversations")
+    tok, _ = data.tokenize_dataset(ds, tokenizer, 512)
+    assert tok[0]["labels"] == tokenize_one(tokenizer, CHATS[1])["labels"]
+
+
+# ---- nothing silent: targets left after truncation, and what the model will see -------------------
+
+
+def test_samples_left_without_targets_are_dropped_and_counted(tokenizer, small_data):
+    ds = data.load_records(str(small_data))
+    full, _ = data.tokenize_dataset(ds, tokenizer, 10_000)
+    prompt_lengths = [next(i for i, t in enumerate(s["labels"]) if t != IGNORE) for s in full]
+    cut = sorted(prompt_lengths)[len(prompt_lengths) // 2]  # about half the responses start past this
+    expected = sum(n >= cut for n in prompt_lengths)
+    assert 0 < expected < len(ds)
+    tok, stats = data.tokenize_dataset(ds, tokenizer, cut)
+    assert stats["no_targets"] == expected and stats["samples"] == len(ds) - expected == len(tok)
+    assert stats["truncated"] == len(ds)  # every one was cut, dropped or not
+    assert all(any(t != IGNORE for t in s["labels"][1:]) for s in tok)
+    assert stats["target_tokens"] == data.count_target_tokens(tok)[0] > 0
+    assert stats["tokens"] == sum(tok["length"])
+    assert f"{expected} samples kept no target token after truncation to {cut} tokens: dropped" in \
+        data.preview(tok, tokenizer, stats)
+
+
+def test_no_target_left_anywhere_is_an_error(tmp_path, small_data):
+    """`--max-length 16` used to train at loss 0.000 on nothing: now the run stops before it starts."""
+    from tunekit.config import tiny
+
+    cfg = tiny(out_dir=str(tmp_path / "run"), data=str(small_data), max_length=16)
+    with pytest.raises(DataError) as e:
+        train.prepare(cfg, verbose=False)
+    msg = str(e.value)
+    assert f"{small_data}: no sample keeps a target token within max_length=16" in msg
+    assert "nothing to train on" in msg and "raise --max-length" in msg
+
+
+def test_preview_shows_the_masked_part_and_the_target_fraction(tokenizer, small_data, small_records):
+    ds, stats = data.tokenize_dataset(data.load_records(str(small_data)), tokenizer, 128)
+    text = data.preview(ds, tokenizer, stats)
+    rec = small_records[0]
+    prompt = data.format_prompt(rec, ("question",))
+    assert f"⟦<|bos|>{prompt}⟧{rec['answer']}<|eos|>" in text
+    batch = data.Collator(tokenizer.pad_token_id)([ds[i] for i in range(len(ds))])
+    targets = train.count_targets([batch])  # what the loss divides by
+    assert data.count_target_tokens(ds) == (targets, stats["tokens"]) and stats["target_tokens"] == targets
+    assert f"{targets:,} of {stats['tokens']:,} tokens are targets ({targets / stats['tokens']:.1%})" in text
+    assert "nothing in this sample is masked" not in text
+    # Without stats it counts them itself; a packed row shows its first sample.
+    packed = data.pack_dataset(ds, 512)
+    packed_text = data.preview(packed, tokenizer)
+    assert f"{targets:,} of {stats['tokens']:,} tokens" in packed_text
+    first = packed[0]["input_ids"][:packed[0]["position_ids"].index(0, 1)]
+    assert tokenizer.decode(first) in packed_text.replace("⟦", "").replace("⟧", "")
+    # A text record with nothing masked says so, and how to mask.
+    import datasets
+
+    plain = data.tokenize_dataset(datasets.Dataset.from_list(GUANACO), tokenizer, 256)[0]
+    assert "nothing in this sample is masked" in data.preview(plain, tokenizer)
+
+
 # ---- whole-dataset tokenization ------------------------------------------------------------------
 
 
@@ -413,9 +624,27 @@ def test_hub_name_goes_to_the_hub(monkeypatch):
     import datasets
 
     calls = []
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(mdl, "hub_unreachable", lambda: None)  # as if the hub answered
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: calls.append((a, k)) or "hub")
+    monkeypatch.setattr(data, "apply_fields", lambda ds, fields, source: ds)
     assert data.load_records("someorg/some-dataset") == "hub"
     assert calls == [(("someorg/some-dataset",), {"split": "train"})]
+
+
+def test_hub_dataset_offline_fails_fast(monkeypatch):
+    """HF_HUB_OFFLINE=1 and a hub name the cache lacks: one clear line in well under a second, not 25 s of
+    retries ending in "Couldn't reach ... on the Hub"."""
+    import time
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    start = time.perf_counter()
+    with pytest.raises(OSError) as e:  # mdl.HubError, a ConnectionError: the CLI prints it as one line
+        data.load_records("tunekit-tests/no-such-dataset")
+    assert time.perf_counter() - start < 5
+    msg = str(e.value)
+    assert "dataset 'tunekit-tests/no-such-dataset': HF_HUB_OFFLINE is set" in msg
+    assert "local hub cache" in msg and "pass --data a local JSONL/JSON/parquet file" in msg
 
 
 # ---- bad input -----------------------------------------------------------------------------------
@@ -469,6 +698,7 @@ def test_unknown_fields_listed(tmp_path, tokenizer):
         data.tokenize_dataset(ds, tokenizer, 64)
     assert "['a', 'q']" in str(e.value)
     assert "question/answer" in str(e.value)  # and the layouts it knows
+    assert "--fields LAYOUT_FIELD=YOUR_FIELD" in str(e.value)  # and how to map them without writing code
 
 
 def test_unknown_fields_error_names_the_file(tmp_path):
@@ -524,6 +754,17 @@ def test_unknown_suffix(tmp_path):
         data.load_records(str(path))
 
 
+@pytest.mark.parametrize("value, kind", [(4, "a number (4)"), (4.5, "a number (4.5)"), (["4"], 'a list (["4"])'),
+                                         (True, "a boolean (true)")])
+def test_response_of_another_type_says_the_type(tmp_path, tokenizer, value, kind):
+    """Not `empty 'answer'`: the type found and the type expected."""
+    path = write_jsonl(tmp_path / "d.jsonl", [{"question": "What is 2+2?", "answer": value}] * 2)
+    ds = data.load_records(str(path), cache_dir=tmp_path / "cache")
+    with pytest.raises(DataError) as e:
+        data.tokenize_dataset(ds, tokenizer, 64, source=str(path))
+    assert f"{path}: record 1: 'answer' is {kind}, expected text (a JSON string" in str(e.value)
+
+
 @pytest.mark.parametrize("rec, field", [
     ({"question": "What is 2+2?", "answer": "   "}, "answer"),
     ({"question": "What is 2+2?", "answer": ""}, "answer"),
@@ -568,8 +809,14 @@ def test_bad_chat_records(tmp_path, tokenizer, messages, match):
 
 
 def test_sample_longer_than_max_length_is_kept_and_counted(tmp_path, tokenizer, small_records):
+    long = {"question": "Add these up.", "answer": " + ".join(str(i) for i in range(200)) + " = 19900"}
+    path = write_jsonl(tmp_path / "d.jsonl", small_records[:5] + [long])
+    ds, stats = data.tokenize_dataset(data.load_records(str(path)), tokenizer, 64)
+    assert stats["samples"] == 6 and stats["truncated"] == 1  # reported, not dropped: it keeps targets
+    assert stats["no_targets"] == 0
+    assert ds[5]["length"] == 64 and len(ds[5]["input_ids"]) == 64
+    # A prompt longer than max_length leaves no target: that sample is dropped, and counted.
     long = {"question": "Add these: " + " + ".join(str(i) for i in range(200)), "answer": "19900"}
     path = write_jsonl(tmp_path / "d.jsonl", small_records[:5] + [long])
     ds, stats = data.tokenize_dataset(data.load_records(str(path)), tokenizer, 64)
-    assert stats["samples"] == 6 and stats["truncated"] == 1  # reported, not dropped
-    assert ds[5]["length"] == 64 and len(ds[5]["input_ids"]) == 64
+    assert stats["samples"] == 5 == len(ds) and stats["truncated"] == 1 and stats["no_targets"] == 1

@@ -1,5 +1,11 @@
-"""Adapters: save -> load -> merge keeps the function the model computes."""
+"""Adapters: save -> load -> merge keeps the function the model computes; local paths and the hub fail clearly."""
 
+import http.server
+import socket
+import threading
+import time
+
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -35,3 +41,75 @@ def test_save_load_merge_gives_the_same_logits(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)
     assert not list(tmp_path.glob(".*tmp*"))  # written atomically: no temp folder left behind
+
+
+# ---- local folders and the hub: errors a user can act on, in seconds -------------------------------
+
+
+def test_missing_local_path_says_so(tmp_path):
+    """Not `Repo id must be in the form 'repo_name'...`: no such folder, and what a hub name looks like."""
+    for load in (lambda: mdl.load_tokenizer("/nonexistent/model"),
+                 lambda: mdl.build_model(name_or_path="/nonexistent/model")):
+        with pytest.raises(FileNotFoundError) as e:
+            load()
+        msg = str(e.value)
+        assert "'/nonexistent/model': no such local folder" in msg
+        assert "a hub name such as 'meta-llama/Llama-2-7b-hf' (organisation/name) or 'gpt2'" in msg
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="is a file; give the folder that holds it"):
+        mdl.build_model(name_or_path=str(tmp_path / "model.safetensors"))
+
+
+def test_hub_offline_fails_fast(monkeypatch):
+    """HF_HUB_OFFLINE=1 (set after import, as a notebook would) and a name the cache lacks: one clear line in
+    well under a second, not 50 s of retries."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    start = time.perf_counter()
+    with pytest.raises(OSError) as e:  # mdl.HubError, a ConnectionError: the CLI prints it as one line
+        mdl.load_tokenizer("tunekit-tests/no-such-model")
+    assert time.perf_counter() - start < 5
+    msg = str(e.value)
+    assert "tokenizer 'tunekit-tests/no-such-model': HF_HUB_OFFLINE is set" in msg
+    assert "local hub cache" in msg and "pass a local folder" in msg
+
+
+def test_hub_unreachable_fails_fast(monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed_port()}")  # nothing listens: refused at once
+    start = time.perf_counter()
+    with pytest.raises(OSError, match=r"model 'tunekit-tests/no-such-model': http://127\.0\.0\.1:\d+ cannot "
+                                           r"be reached .*local hub cache"):
+        mdl.build_model(name_or_path="tunekit-tests/no-such-model")
+    assert time.perf_counter() - start < 5
+
+
+def test_hub_that_answers_is_reachable(monkeypatch):
+    """Any HTTP answer, even an error status, means the hub is there: the library then says what it says."""
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # answers 501
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+        assert mdl.hub_unreachable() is None
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_unreachable_hub_uses_the_cache_and_says_so(monkeypatch, capsys):
+    import datasets.config
+    import huggingface_hub.constants as hub
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(mdl, "hub_unreachable", lambda: "the hub did not answer")
+    before = hub.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
+    seen = mdl.load_from_hub(lambda: (hub.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE), "org/name", "model")
+    assert seen == (True, True)  # the libraries ran offline: the cache only, no retries
+    assert (hub.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE) == before  # and are put back
+    assert "model 'org/name': the hub did not answer; using the copy in the local cache" in capsys.readouterr().err
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

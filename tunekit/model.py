@@ -7,14 +7,21 @@
   caches it, so everything runs with no hub at all.
 - `apply_lora` attaches LoRA adapters (https://arxiv.org/abs/2106.09685) through peft; only the adapters train.
 - `load_quantized` loads NF4 4-bit weights with bitsandbytes for QLoRA (https://arxiv.org/abs/2305.14314).
+- `load_pretrained` / `load_from_hub`: a local folder that is not there is said to be so (not taken for a hub
+  name); a hub name fails within seconds when the hub is offline (`HF_HUB_OFFLINE=1`) or does not answer and
+  the local cache lacks it, where the hub libraries retry for 25-50 s. A cached copy is used then, saying so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import re
+import sys
+import threading
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -24,6 +31,115 @@ from tunekit.config import cache_dir
 
 DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
+# A hub repo id, as huggingface_hub validates it: `name` or `organisation/name`, word characters, '-' and '.'.
+HUB_NAME = re.compile(r"^(?:\w[\w.-]*\w/|\w/)?(?:\w[\w.-]*\w|\w)$")
+HUB_EXAMPLES = "a hub name such as 'meta-llama/Llama-2-7b-hf' (organisation/name) or 'gpt2'"
+HUB_TIMEOUT_S = 5.0  # a reachable hub answers one request in well under a second
+
+
+class HubError(ConnectionError):
+    """The hub is offline or unreachable and the local cache lacks what was asked for; says what to do."""
+
+
+# ---- local folders and the hub ---------------------------------------------------------------------
+
+
+def is_local(name_or_path: str, kind: str = "model") -> bool:
+    """True for a local folder, False for a hub name; for a path that is not there (or is a file), an error
+    saying so and what a hub name looks like, rather than the hub library's complaint about repo ids."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return True
+    if path.exists():
+        raise FileNotFoundError(f"{kind} {name_or_path!r} is a file; give the folder that holds it "
+                                "(with config.json, as save_pretrained writes it).")
+    if HUB_NAME.match(name_or_path) and "--" not in name_or_path and ".." not in name_or_path:
+        return False
+    raise FileNotFoundError(f"{kind} {name_or_path!r}: no such local folder ({path.absolute()}). Give a folder "
+                            f"that holds a saved {kind} (as save_pretrained writes it), or {HUB_EXAMPLES}.")
+
+
+def hub_offline_requested() -> bool:
+    """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE, HF_DATASETS_OFFLINE) set to a true value, read now."""
+    names = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
+    return any(os.environ.get(n, "").strip().lower() in ("1", "true", "yes", "on") for n in names)
+
+
+def hub_unreachable(timeout: float = HUB_TIMEOUT_S) -> str | None:
+    """None when the hub ($HF_ENDPOINT, default huggingface.co) answers a request within `timeout` seconds,
+    else why not. One request, in a thread so that a hanging DNS lookup (which a socket timeout does not
+    bound) is bounded too; proxies come from the environment, as for the hub libraries."""
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    answer: list[str | None] = []
+
+    def ask() -> None:
+        try:
+            urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout).close()
+            answer.append(None)
+        except urllib.error.HTTPError:  # an HTTP status is an answer
+            answer.append(None)
+        except urllib.error.URLError as e:  # a TLS complaint is an answer too: the libraries have their own setup
+            answer.append(None if isinstance(e.reason, ssl.SSLError) else f"{endpoint} cannot be reached ({e.reason})")
+        except ssl.SSLError:
+            answer.append(None)
+        except (OSError, ValueError) as e:
+            answer.append(f"{endpoint} cannot be reached ({e})")
+
+    thread = threading.Thread(target=ask, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return answer[0] if answer else f"{endpoint} did not answer within {timeout:g} s"
+
+
+@contextlib.contextmanager
+def hub_offline():
+    """huggingface_hub, transformers and datasets in offline mode inside the block (the cache only, no
+    request); the mode they had after it. They read HF_HUB_OFFLINE once, at import."""
+    import datasets.config
+    import huggingface_hub.constants as hub
+
+    old = hub.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
+    hub.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        hub.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = old
+
+
+def load_from_hub(load: Callable, name: str, kind: str = "model"):
+    """`load()`, which fetches `name` from the hub. When HF_HUB_OFFLINE is set or the hub does not answer within
+    HUB_TIMEOUT_S, `load()` runs offline: from the local cache, saying so, or a HubError in seconds saying
+    what to do, instead of the libraries' minute of retries."""
+    why = "HF_HUB_OFFLINE is set" if hub_offline_requested() else hub_unreachable()
+    if why is None:
+        return load()
+    with hub_offline():
+        try:
+            loaded = load()
+        except OSError as e:  # ConnectionError, FileNotFoundError, transformers' OSError: not in the cache
+            import huggingface_hub.constants as hub
+
+            local = "" if "/" in name else f" (and there is no local folder {name!r})"
+            todo = ("pass --data a local JSONL/JSON/parquet file, or a save_to_disk folder" if kind == "dataset"
+                    else f"pass a local folder that holds the {kind} (as save_pretrained writes it)")
+            raise HubError(f"{kind} {name!r}: {why}, and the local hub cache ({hub.HF_HUB_CACHE}) has no copy"
+                           f"{local}. Run once where the hub is reachable to cache it, or {todo}. "
+                           f"({type(e).__name__})") from None
+    if not hub_offline_requested():
+        print(f"{kind} {name!r}: {why}; using the copy in the local cache", file=sys.stderr)
+    return loaded
+
+
+def load_pretrained(loader, name_or_path: str, kind: str = "model", **kwargs):
+    """`loader.from_pretrained(name_or_path, **kwargs)` for a local folder or a hub name, with the errors of
+    `is_local` and `load_from_hub`."""
+    if is_local(name_or_path, kind):
+        return loader.from_pretrained(name_or_path, **kwargs)
+    return load_from_hub(lambda: loader.from_pretrained(name_or_path, **kwargs), name_or_path, kind)
 
 
 # ---- device and dtype ------------------------------------------------------------------------------
@@ -53,7 +169,7 @@ def load_tokenizer(name_or_path: str):
     """A tokenizer from the hub or a local folder; gets a pad token if it has none (Llama has none)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(name_or_path)
+    tok = load_pretrained(AutoTokenizer, name_or_path, "model or tokenizer")
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -109,8 +225,8 @@ def build_model(arch=None, name_or_path: str = "", dtype: torch.dtype = torch.fl
     from transformers import AutoModelForCausalLM
 
     if name_or_path:
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, attn_implementation=attention,
-                                                     device_map={"": device})
+        model = load_pretrained(AutoModelForCausalLM, name_or_path, "model", dtype=dtype,
+                                attn_implementation=attention, device_map={"": device})
     else:
         torch.manual_seed(seed)
         with torch.device(device):
@@ -150,14 +266,14 @@ def load_quantized(name_or_path: str, device: str = "cuda", attention: str = "sd
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:
-        raise RuntimeError("method=qlora needs bitsandbytes: pip install 'tunekit[gpu]' "
+        raise RuntimeError("method=qlora needs bitsandbytes: pip install -e '.[gpu]' in your clone of tunekit "
                            "(or pip install bitsandbytes).") from None
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                bnb_4bit_compute_dtype=compute_dtype, bnb_4bit_quant_storage=compute_dtype)
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, quantization_config=quant, dtype=compute_dtype,
-                                                 attn_implementation=attention, device_map={"": device})
+    model = load_pretrained(AutoModelForCausalLM, name_or_path, "model", quantization_config=quant,
+                            dtype=compute_dtype, attn_implementation=attention, device_map={"": device})
     model.config.use_cache = False
     for p in model.parameters():
         p.requires_grad_(False)
