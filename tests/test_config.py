@@ -8,7 +8,7 @@ import json
 import pytest
 
 from tunekit import config
-from tunekit.config import ConfigError, TuneConfig, parse_overrides
+from tunekit.config import ConfigError, TuneConfig, parse_overrides, tiny
 
 FIELDS = [f.name for f in dataclasses.fields(TuneConfig)]
 
@@ -234,3 +234,26 @@ def test_lowmem_preset_is_valid_and_names_its_savers():
     cfg = config.llama7b_qlora_lowmem()
     assert (cfg.method, cfg.batch_size, cfg.optimizer) == ("qlora", 1, "adamw8bit")
     assert cfg.grad_ckpt and cfg.grad_ckpt_offload and cfg.embed_offload and cfg.loss == "chunked"
+
+
+def test_entry_points_validate_fields_set_after_construction():
+    """`cfg.batch_size = -1` after construction slips past __post_init__; the entry points check again."""
+    import tunekit
+    from tunekit import bench
+
+    cfg = tiny()
+    cfg.batch_size = -1
+    for entry in (tunekit.finetune, tunekit.benchmark, bench.run_bench, tunekit.estimate_memory):
+        with pytest.raises(ConfigError, match="batch_size"):
+            entry(cfg)
+
+
+def test_cpu_threads_auto_rule(monkeypatch):
+    from tunekit.train import cpu_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert cpu_threads(tiny()) == 1  # a small model: one thread
+    assert cpu_threads(tiny(hidden_size=2048, num_heads=16)) == 0  # large: PyTorch's default
+    assert cpu_threads(tiny(cpu_threads=3)) == 3  # the field wins
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert cpu_threads(tiny()) == 0  # the environment already chose

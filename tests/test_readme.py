@@ -17,6 +17,32 @@ def readme_commands() -> list[str]:
     return [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
 
 
+def readme_command(start: str) -> str:
+    return next(c for c in readme_commands() if c.startswith(start))
+
+
+def test_start_here_installs_in_order_from_the_clone():
+    cmds = readme_commands()
+    assert cmds[0].startswith("git clone") and "venv" in cmds[1] and "activate" in cmds[1]
+    torch_cpu = readme_command("pip install torch")
+    assert "--index-url https://download.pytorch.org/whl/cpu" in torch_cpu
+    assert cmds.index(torch_cpu) < cmds.index(readme_command("pip install -e ."))  # before tunekit pulls torch in
+    # never by name from PyPI: an unrelated project is called tunekit there
+    assert not any(re.search(r"pip install ['\"]?tunekit", c) for c in cmds)
+    for block in re.findall(r"```(?:bash|python)\n(.*?)```", README, re.S):  # no command block anywhere either
+        assert not re.search(r"pip install ['\"]?tunekit\b", block), block
+
+
+def test_readme_library_example_runs(tmp_path, monkeypatch):
+    code = re.search(r"### As a library.*?```python\n(.*?)```", README, re.S).group(1)
+    monkeypatch.chdir(tmp_path)  # out_dir is relative: keep it under tmp_path
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    cfg = namespace["cfg"]
+    assert namespace["summary"]["steps"] == cfg.max_steps == 20
+    assert (tmp_path / "runs" / "from-python" / "metrics.jsonl").exists()
+
+
 def test_generated_tables_match_the_result_files():
     """The results, reference and claims tables are rendered from notebooks/results and notebooks/cited.json."""
     assert README == claims.render_readme(README, by_name(RESULTS)), (
@@ -38,13 +64,13 @@ def test_cited_figures_name_their_source():
 
 
 def test_ci_runs_the_readme_test_command():
-    test_cmd = readme_commands()[1]
+    test_cmd = readme_command('pip install -e ".[dev]"')
     assert test_cmd == 'pip install -e ".[dev]" && pytest'
     assert test_cmd in (REPO_ROOT / ".ci" / "run").read_text()
 
 
 def test_readme_train_command_runs_and_loss_falls(tmp_path):
-    train_cmd = readme_commands()[0].split("&&")[1].split()
+    train_cmd = readme_command("pip install -e . &&").split("&&")[1].split()
     assert train_cmd[:4] == ["tunekit", "train", "--preset", "tiny"]
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "tunekit.cli", *train_cmd[1:], "--out-dir", str(out)],

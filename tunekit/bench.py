@@ -111,6 +111,7 @@ def run_bench(cfg: TuneConfig, name: str = "", verbose: bool = True, memory_cap_
     from tunekit import train as tr
     from tunekit.model import count_parameters
 
+    cfg.validate()  # fields may have been set after construction
     device, dtype = tr.resolve_runtime(cfg)
     vocab = cfg.vocab_size or len(tr.build_tokenizer(cfg))
     torch.manual_seed(cfg.seed)
@@ -199,6 +200,7 @@ def find_micro_batch(cfg: TuneConfig, target_batch: int = 0, memory_gb: float = 
     answer)."""
     from tunekit import train as tr
 
+    cfg.validate()
     device, _ = tr.resolve_runtime(cfg)
     if device != "cuda":
         raise RuntimeError("tunekit fit tries steps until the GPU runs out of memory: it needs a CUDA GPU. "

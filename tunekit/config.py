@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import typing
 from dataclasses import dataclass
@@ -40,6 +41,10 @@ class TuneConfig:
     """Seeds model init, LoRA init, data order and dropout, so two runs with one seed match."""
     device: str = "auto"
     """`auto` (CUDA when present, else CPU), `cpu` or `cuda`."""
+    cpu_threads: int = 0
+    """PyTorch CPU threads when training on the CPU. 0 (auto): $OMP_NUM_THREADS if set, else 1 for small
+    models (hidden size <= 1024), whose operations are too short to gain from threads and which slowed
+    several-fold with PyTorch's default on a busy 2-core machine; larger models keep PyTorch's default."""
 
     # ---- model -----------------------------------------------------------------------------------
     model: str = ""
@@ -98,6 +103,22 @@ class TuneConfig:
     # ---- data ------------------------------------------------------------------------------------
     data: str = "data/arith/train.jsonl"
     """Training data: a JSONL/JSON/parquet/text file, a `save_to_disk` folder, or a hub dataset name."""
+    fields: str = ""
+    """Which of the data's fields play which part, as LAYOUT_FIELD=YOUR_FIELD pairs naming one whole layout:
+    `prompt=question,response=answer`, `instruction=task,input=context,output=solution`, `messages=conversations`,
+    `text=content`, `instruction=definition,instances=examples`. Empty: detected from the field names. The
+    layouts are listed in the README, "Your own data"."""
+    response_template: str = ""
+    """Single-text records (`text`): train only on what follows this marker, e.g. `### Assistant:`; the text up
+    to and including it is masked, as TRL's completion-only collator does (the last marker, unless
+    `instruction_template` is set). A record without the marker is an error that names it."""
+    instruction_template: str = ""
+    """With `response_template`, for multi-turn texts: the marker that starts a user turn, e.g. `### Human:`.
+    Each span from a response marker to the next instruction marker is trained."""
+    chat_template: str = "auto"
+    """How `messages` records are rendered: `auto` (the tokenizer's chat template if it has one, else tunekit's
+    built-in `<|role|>` one), `builtin`, `tokenizer` (its template, or an error), `chatml`, or a Jinja
+    template file."""
     max_length: int = 256
     """Tokens per sample; longer samples are truncated (and counted)."""
     packing: str = "pad"
@@ -142,6 +163,9 @@ class TuneConfig:
     """Write a metrics row every this many steps."""
     save_every: int = 0
     """Checkpoint every this many steps (0: only at the end)."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept in the run folder: the newest this many; older ones are deleted as new ones are
+    written. Keep at least 2 so a resume can fall back when the newest turns out to be damaged."""
 
     # ---- benchmark -------------------------------------------------------------------------------
     bench_warmup: int = 3
@@ -180,18 +204,34 @@ class TuneConfig:
         need(self.method == "qlora" or not self.peft_kbit_prepare, "peft_kbit_prepare",
              "applies to 4-bit models only; use it with --method qlora")
         need(self.prefetch_factor > 0, "prefetch_factor", "must be a positive integer")
+        if self.fields:
+            from tunekit.data import DataError, parse_fields
+
+            try:
+                parse_fields(self.fields)
+            except DataError as e:
+                raise ConfigError(f"config field 'fields' = {self.fields!r}: {e}") from None
+        need(bool(self.response_template) or not self.instruction_template, "instruction_template",
+             "marks where each user turn starts, for response_template; set --response-template too")
+        need(bool(self.chat_template.strip()), "chat_template",
+             "use auto, builtin, tokenizer, chatml or a Jinja template file")
         need(self.bench_max_steps >= self.bench_steps, "bench_max_steps", "must be at least bench_steps")
         need(0 <= self.bench_target_error < 1, "bench_target_error", "must be in [0, 1)")
         for name in ("batch_size", "grad_accum", "max_length", "max_steps", "log_every",
                      "bench_steps", "hidden_size", "num_layers", "num_heads", "intermediate_size"):
             need(getattr(self, name) > 0, name, "must be a positive integer")
-        for name in ("num_workers", "save_every", "warmup_steps", "bench_warmup", "num_kv_heads", "vocab_size"):
+        for name in ("num_workers", "save_every", "warmup_steps", "bench_warmup", "num_kv_heads", "vocab_size",
+                     "cpu_threads"):
             need(getattr(self, name) >= 0, name, "must be zero or positive")
         need(self.lr > 0, "lr", "must be positive")
+        need(math.isfinite(self.lr), "lr", "must be a finite number")
+        need(self.keep_checkpoints >= 1, "keep_checkpoints", "must be at least 1")
         need(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be between 0 and 1")
         need(0 <= self.lora_dropout < 1, "lora_dropout", "must be in [0, 1)")
         if self.method != "full":
             need(self.lora_r > 0, "lora_r", "LoRA/QLoRA need a positive rank")
+            need(self.lora_alpha > 0, "lora_alpha", "the update is scaled by lora_alpha / lora_r, so a scale of "
+                 "0 or less trains nothing useful; use a positive value (commonly 2 * lora_r)")
         need(self.hidden_size % self.num_heads == 0, "hidden_size", "must be divisible by num_heads")
         if self.num_kv_heads:
             need(self.num_heads % self.num_kv_heads == 0, "num_kv_heads", "must divide num_heads")
@@ -247,6 +287,12 @@ PRESETS: dict[str, typing.Callable[..., TuneConfig]] = {
     "llama7b_qlora_lowmem": llama7b_qlora_lowmem,
 }
 GPU_PRESETS = ("llama7b_lora", "llama7b_qlora", "llama7b_qlora_lowmem")
+# Fields a resumed run may change (`tunekit train --resume --allow-config-change`): none of them touches the
+# weights, the data order or the optimizer state. A new `max_steps` recomputes the cosine schedule for the new
+# length, so the learning rate jumps at the resumed step; the benchmark fields are not read by training.
+RESUME_SAFE_FIELDS = ("max_steps", "save_every", "log_every", "keep_checkpoints", "num_workers", "pin_memory",
+                      "prefetch_factor", "persistent_workers", "cpu_threads", "bench_warmup", "bench_steps",
+                      "bench_max_steps", "bench_target_error")
 
 
 def get_preset(name: str, **overrides) -> TuneConfig:

@@ -36,7 +36,8 @@ def bitsandbytes_status() -> tuple[bool, str]:
 
 
 ADVICE = {
-    "bitsandbytes": "needed for QLoRA and 8-bit optimizers: pip install 'tunekit[gpu]'",
+    # Never `pip install tunekit[...]`: PyPI's `tunekit` is another project. Extras come from the clone.
+    "bitsandbytes": "needed for QLoRA and 8-bit optimizers: pip install -e '.[gpu]' in your clone of tunekit",
     "flash_attn": "optional: PyTorch SDPA is used instead. Where a wheel exists: pip install flash-attn --no-build-isolation",
     "liger_kernel": "optional fused kernels (RMSNorm, RoPE, SwiGLU, fused cross-entropy): pip install liger-kernel",
 }
