@@ -3,11 +3,14 @@ a GPU, and where its results go. No GPU needed: smoke mode is forced with TUNEKI
 
 from __future__ import annotations
 
+import nbformat
 import pytest
 import torch
 
 from tunekit import notebook
 from tunekit.config import REPO_ROOT, get_preset, tiny
+
+NOTEBOOKS = sorted((REPO_ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 
 
 @pytest.fixture
@@ -68,3 +71,91 @@ def test_pick_preset_without_a_gpu(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert notebook.pick_preset("llama7b_lora") == "tiny"
     assert "mode: smoke (no CUDA GPU)" in capsys.readouterr().out
+
+
+# ---- outputs that read correctly untrusted (clean_outputs) ---------------------------------------------------------
+
+
+def _widget_state(*models):
+    return {"application/vnd.jupyter.widget-state+json": {
+        "state": {i: {"model_name": name, "state": state} for i, name, state in models},
+        "version_major": 2, "version_minor": 0}}
+
+
+def _view(model_id, text):
+    return nbformat.v4.new_output("display_data", data={
+        "application/vnd.jupyter.widget-view+json": {"model_id": model_id, "version_major": 2, "version_minor": 0},
+        "text/plain": text})
+
+
+def _bar(box, left, right, value, total):
+    """A tqdm.notebook progress bar as nbclient records it: HBox(HTML, FloatProgress, HTML), each with a layout."""
+    return [(box, "HBoxModel", {"children": [f"IPY_MODEL_{box}l", f"IPY_MODEL_{box}p", f"IPY_MODEL_{box}r"],
+                                "layout": f"IPY_MODEL_{box}y"}),
+            (f"{box}l", "HTMLModel", {"value": left, "layout": f"IPY_MODEL_{box}y"}),
+            (f"{box}p", "FloatProgressModel", {"value": value, "max": total, "bar_style": "success"}),
+            (f"{box}r", "HTMLModel", {"value": right}),
+            (f"{box}y", "LayoutModel", {})]
+
+
+def test_clean_outputs_turns_a_progress_bar_into_its_final_text():
+    f = "\u2007"  # tqdm.notebook pads with figure spaces and escapes HTML
+    nb = nbformat.v4.new_notebook(metadata={"widgets": _widget_state(
+        *_bar("aa", f"tokenize:{f}100%", f"{f}7473/7473{f}[00:01&lt;00:00,{f}5436.05{f}examples/s]", 7473.0, 7473.0),
+        *_bar("bb", f"Loading:{f}50%", f"{f}1/2", 1, 2),
+        ("cc", "IntSliderModel", {"value": 3, "layout": "IPY_MODEL_cy"}), ("cy", "LayoutModel", {}))})
+    stdout = nbformat.v4.new_output("stream", name="stdout", text="done\n")
+    nb.cells = [nbformat.v4.new_markdown_cell("# title"), nbformat.v4.new_code_cell("work()", outputs=[
+        _view("aa", "tokenize:   0%|          | 0/7473 [00:00<?, ? examples/s]"), stdout,
+        _view("bb", "Loading:   0%|          | 0/2 [00:00<?, ?it/s]"), _view("cc", "IntSlider(value=0)")])]
+    assert notebook.clean_outputs(nb) is nb
+    outs = nb.cells[1].outputs
+    assert [o.get("data", {}).get("text/plain") for o in outs] == [
+        "tokenize: 100%|██████████| 7473/7473 [00:01<00:00, 5436.05 examples/s]", None,
+        "Loading: 50%|█████     | 1/2", "IntSlider(value=0)"]
+    assert outs[1] == stdout and "application/vnd.jupyter.widget-view+json" in outs[3].data
+    # only what the slider still shows is kept of the recorded widget state
+    assert set(nb.metadata.widgets["application/vnd.jupyter.widget-state+json"]["state"]) == {"cc", "cy"}
+    nbformat.validate(nb)
+    assert nbformat.writes(notebook.clean_outputs(nb)) == nbformat.writes(nb)  # a second pass changes nothing
+
+
+def test_clean_outputs_drops_a_stuck_bar_whose_state_was_not_recorded():
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("work()", outputs=[
+        _view("aa", "Writing model shards:   0%|          | 0/1 [00:00<?, ?it/s]"),
+        nbformat.v4.new_output("stream", name="stdout", text="done\n")])]
+    notebook.clean_outputs(nb)
+    assert [o.output_type for o in nb.cells[0].outputs] == ["stream"] and "widgets" not in nb.metadata
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_committed_notebooks_read_correctly_untrusted_and_open_clean(path):
+    text = path.read_text()
+    nb = nbformat.reads(text, as_version=4)
+    views = [o for c in nb.cells for o in c.get("outputs", []) if "application/vnd.jupyter.widget-view+json"
+             in o.get("data", {})]
+    assert not views and "widgets" not in nb.metadata, f"{path.name}: run notebook.clean_outputs on it"
+    assert " 0%|" not in text, f"{path.name}: a progress bar stuck at 0% is committed"
+    # JupyterLab writes the kernelspec it starts into the notebook: the same one keeps the tab unchanged.
+    assert nb.metadata.kernelspec == {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+    assert text == nbformat.writes(nb) + "\n", f"{path.name}: not as nbformat (and JupyterLab) write it"
+    first = nb.cells[0]
+    assert first.cell_type == "markdown" and f"git checkout notebooks/{path.name}" in first.source
+
+
+def test_execute_writes_plain_text_progress_and_the_kernelspec(tmp_path, monkeypatch):
+    monkeypatch.setenv("TUNEKIT_NOTEBOOK", "")  # execute() sets it for the kernel; put it back afterwards
+    path = tmp_path / "bar.ipynb"
+    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3"}})
+    nb.cells = [nbformat.v4.new_code_cell("from tqdm.auto import tqdm\nfor _ in tqdm(range(3), desc='work'):\n"
+                                          "    pass\nprint('done')")]
+    path.write_text(nbformat.writes(nb))
+    notebook.execute(path, timeout=120)
+    text = path.read_text()
+    done = nbformat.reads(text, as_version=4)
+    outs = done.cells[0].outputs
+    assert [o.output_type for o in outs] == ["display_data", "stream"], outs
+    assert outs[0].data["text/plain"].startswith("work: 100%|██████████| 3/3 [") and list(outs[0].data) == ["text/plain"]
+    assert "widgets" not in done.metadata and done.metadata.kernelspec.display_name != "Python 3"
+    assert text.endswith("}\n")

@@ -214,9 +214,19 @@ def _file_digest(path: Path) -> str:
 
 
 def _save_new(ds, folder: Path) -> None:
-    """save_to_disk atomically; if another process got there first, keep theirs."""
-    with atomic_output(folder, keep_existing=True) as tmp:
-        ds.save_to_disk(str(tmp))
+    """save_to_disk atomically; if another process got there first, keep theirs. Without a progress bar: this
+    one-off cache copy of a local file takes seconds, and a bar that appears only on a cold cache would make
+    the same call print differently from one run to the next (nbval compares a notebook cell that calls it)."""
+    from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    was_disabled = are_progress_bars_disabled()
+    disable_progress_bars()
+    try:
+        with atomic_output(folder, keep_existing=True) as tmp:
+            ds.save_to_disk(str(tmp))
+    finally:
+        if not was_disabled:
+            enable_progress_bars()
 
 
 # ---- layouts and field mapping -----------------------------------------------------------------------
