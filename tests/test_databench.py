@@ -41,6 +41,7 @@ def test_measure_fed_steps_splits_data_and_compute_and_counts_real_tokens():
     assert all("attention_mask" not in b for b in seen)  # the step gets what the model takes
     assert (out["steps"], out["real_tokens"], out["slots"]) == (3, 18, 24)
     assert out["padding_fraction"] == 0.25
+    assert out["step_spread"] == 0.0  # three steps: too few for quartiles
     assert 0.01 <= out["data_s_per_step"] < out["compute_s_per_step"] and out["compute_s_per_step"] >= 0.05
     assert 0.05 < out["data_fraction"] < 0.5  # about 0.01 / (0.01 + 0.05)
     per_step = out["data_s_per_step"] + out["compute_s_per_step"]

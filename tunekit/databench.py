@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from tunekit import data, memory
+from tunekit.bench import spread
 from tunekit.checkpoint import atomic_output
 from tunekit.config import TuneConfig
 from tunekit.results import new_result
@@ -61,7 +62,10 @@ def measure_fed_steps(step_fn, batches, steps: int, warmup: int, device: str) ->
     return {"tokens_per_s": round(tokens / total, 1), "data_s_per_step": round(statistics.mean(data_s), 5),
             "compute_s_per_step": round(statistics.mean(compute_s), 5),
             "data_fraction": round(sum(data_s) / total, 4), "real_tokens": tokens, "slots": slots,
-            "padding_fraction": round(1 - tokens / slots, 4), "steps": steps}
+            "padding_fraction": round(1 - tokens / slots, 4), "steps": steps,
+            # the step-to-step spread of the whole step (IQR / median), so that two rows closer than it read
+            # as the same within noise
+            "step_spread": round(spread([d + c for d, c in zip(data_s, compute_s)]), 4)}
 
 
 class InLoopTokenized(torch.utils.data.Dataset):
