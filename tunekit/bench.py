@@ -201,21 +201,21 @@ def find_micro_batch(cfg: TuneConfig, target_batch: int = 0, memory_gb: float = 
     from tunekit import train as tr
 
     cfg.validate()
-    device, _ = tr.resolve_runtime(cfg)
+    device, dtype = tr.resolve_runtime(cfg)
     if device != "cuda":
         raise RuntimeError("tunekit fit tries steps until the GPU runs out of memory: it needs a CUDA GPU. "
                            "On CPU, `tunekit estimate` answers from the estimator alone.")
     with memory.memory_cap(memory_gb):
-        return _search_micro_batch(cfg, target_batch, memory_gb, name, limit, verbose)
+        return _search_micro_batch(cfg, dtype, target_batch, memory_gb, name, limit, verbose)
 
 
-def _search_micro_batch(cfg: TuneConfig, target_batch: int, memory_gb: float, name: str, limit: int,
-                        verbose: bool) -> dict:
+def _search_micro_batch(cfg: TuneConfig, dtype: torch.dtype, target_batch: int, memory_gb: float, name: str,
+                        limit: int, verbose: bool) -> dict:
     import gc
 
     from tunekit import train as tr
 
-    device, dtype = tr.resolve_runtime(cfg)
+    device = "cuda"
     vocab = cfg.vocab_size or len(tr.build_tokenizer(cfg))
     torch.manual_seed(cfg.seed)
     model, optimizer, scheduler, options = tr.build_training(cfg, vocab, device, dtype, 10**9, verbose)
@@ -305,11 +305,10 @@ def run_many(configs: dict[str, TuneConfig], out: str | Path, reuse: bool = True
     return results
 
 
-def measure_noise(preset: str, args: list[str], name: str, out: str | Path, runs: int = 3,
-                  verbose: bool = True) -> dict:
-    """Run-to-run noise: bench `tunekit bench --preset PRESET ARGS...` in `runs` fresh processes and record
-    each run's median and the spread between them, `(max - min) / median` of the medians — what separates two
-    measurements of one config taken apart, which one run's step-to-step spread does not show."""
+def measure_noise(preset: str, args: list[str], name: str, runs: int = 3, verbose: bool = True) -> dict:
+    """Run-to-run noise: bench `tunekit bench --preset PRESET ARGS...` in `runs` fresh processes and return a
+    result with each run's median and the spread between them, `(max - min) / median` of the medians — what
+    separates two measurements of one config taken apart, which one run's step-to-step spread does not show."""
     import json
     import subprocess
     import sys
@@ -327,17 +326,14 @@ def measure_noise(preset: str, args: list[str], name: str, out: str | Path, runs
             files.append(json.loads(path.read_text()))
             medians.append(files[-1]["step_time_s"])
     med = statistics.median(medians)
-    first = files[0]
     result = new_result(
-        name, None, statistics.median(f["tokens_per_s"] for f in files), max(f["peak_memory_gb"] for f in files),
+        name, TuneConfig(**files[0]["config"]), statistics.median(f["tokens_per_s"] for f in files), max(f["peak_memory_gb"] for f in files),
         call=f"bench.measure_noise({preset!r}, {args!r}, runs={runs})",
         runs=[{k: f[k] for k in ("tokens_per_s", "step_time_s", "step_time_spread", "median_error", "step_times_s")}
               for f in files],
         between_run_spread=round((max(medians) - min(medians)) / med, 4),
         within_run_spread=round(max(f["step_time_spread"] for f in files), 4),
     )
-    result["preset"], result["config"] = first["preset"], first["config"]
-    save_result(result, out)
     if verbose:
         print(f"{name}: {runs} processes, medians {', '.join(f'{m:.4f}' for m in medians)} s: between runs "
               f"±{result['between_run_spread']:.1%}, within a run (IQR) up to {result['within_run_spread']:.1%}")

@@ -157,11 +157,10 @@ def main(argv: list[str] | None = None) -> int:
             from tunekit.results import save_result
 
             if args.repeat > 1:
-                out = args.out if args.out.endswith(".json") else f"{args.out}/{args.name or 'noise_' + cfg.preset}.json"
-                measure_noise(args.preset, rest, args.name or f"noise_{cfg.preset}", out, args.repeat)
-                print(f"result -> {out}")
+                result = measure_noise(args.preset, rest, args.name or f"noise_{cfg.preset}", args.repeat)
             else:
-                print(f"result -> {save_result(run_bench(cfg, args.name), args.out)}")
+                result = run_bench(cfg, args.name)
+            print(f"result -> {save_result(result, args.out)}")
         elif args.command == "fit":
             from tunekit.bench import find_micro_batch
             from tunekit.results import save_result
