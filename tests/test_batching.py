@@ -252,6 +252,25 @@ def test_packing_pads_least_then_grouping(arith):
     assert pack < group < pad
 
 
+def test_auto_packing_packs_short_samples_and_groups_long_ones():
+    assert batching.choose_packing("auto", [40, 60, 50], 128)[0] == "pack"  # mean 50 <= 64
+    assert batching.choose_packing("auto", [100, 120, 90], 128)[0] == "group"  # one to a row at best
+    assert batching.choose_packing("auto", [400, 10, 10], 128)[0] == "pack"  # truncated to 128 first: mean 49
+    for asked in ("pad", "group", "pack"):
+        assert batching.choose_packing(asked, [100, 120], 128) == (asked, f"{asked}: asked for")
+    assert "average 50 tokens" in batching.choose_packing("auto", [40, 60, 50], 128)[1]
+
+
+def test_packed_rows_have_one_width_and_count_their_samples(tokenized, tokenizer):
+    packed = batching.pack_dataset(tokenized, 128)
+    batches = list(batching.build_dataloader(packed, 1, tokenizer.pad_token_id, pad_to=128))  # batch 1: none dropped
+    assert {b["input_ids"].shape[1] for b in batches} == {128}, "one shape: a compiled kernel is built once"
+    assert min(int(b["attention_mask"].sum()) for b in batches) < 128, "some rows are padded to the width"
+    assert sum(batching.count_samples(b) for b in batches) == len(tokenized)  # the padding is no sample
+    unpacked = next(iter(batching.build_dataloader(tokenized, 4, tokenizer.pad_token_id)))
+    assert batching.count_samples(unpacked) == 4 and "position_ids" not in unpacked
+
+
 # ---- the DataLoader ------------------------------------------------------------------------------
 
 

@@ -139,3 +139,24 @@ def test_median_error_and_spread():
     # quartiles (exclusive method) of the sorted times .8 .9 1 1 1 1 1.1 1.2: q1 = .925, q3 = 1.075
     assert bench.spread(times) == pytest.approx(0.15)
     assert bench.spread([1.0, 2.0]) == 0.0
+
+
+# ---- the training loop itself ----------------------------------------------------------------------
+
+
+def test_run_train_loop_times_the_real_loop(tmp_path, small_data):
+    cfg = tiny(out_dir=str(tmp_path / "unused"), data=str(small_data), batch_size=2, max_length=128,
+               bench_warmup=1, bench_max_steps=6, **SMALL_ARCH)
+    r = bench.run_train_loop(cfg, verbose=False)
+    for key in (*results.REQUIRED_KEYS, *results.PROVENANCE_KEYS):
+        assert key in r, key
+    assert r["name"] == "train_tiny" and r["call"].startswith("bench.run_train_loop(")
+    assert r["packing"] == "pack" and r["timed_steps"] == 5 == len(r["step_times_s"])  # warm-up step left out
+    assert 0 < r["real_tokens_per_step"] <= cfg.batch_size * cfg.max_length
+    assert r["padding_fraction"] == pytest.approx(1 - r["real_tokens_per_step"] / (2 * 128), abs=1e-3)
+    seconds = sum(r["step_times_s"])
+    assert r["tokens_per_s"] == pytest.approx(r["real_tokens_per_step"] * 5 / seconds, rel=1e-2)
+    assert r["samples_per_step"] > cfg.batch_size  # packed rows hold several samples
+    assert not (tmp_path / "unused").exists(), "the timed run goes to a scratch folder"
+    # The config recorded is the one asked for (`auto` packing); what it resolved to is `packing`.
+    assert r["config"]["packing"] == "auto"

@@ -57,7 +57,7 @@ def test_train_help_lists_fields_with_docs(capsys):
         assert flag in out, flag
         assert docs.get(f.name), f"TuneConfig.{f.name} has no docstring"
         assert "".join(docs[f.name].split()) in flat, f.name
-    assert "Optimizer steps to run." in out and f"--max-steps INT (default {TuneConfig().max_steps})" in out
+    assert "Optimizer steps to run (the cosine schedule spans them)." in out and f"--max-steps INT (default {TuneConfig().max_steps})" in out
 
 
 def test_help_via_subprocess():

@@ -33,7 +33,7 @@ def test_smoke_swaps_gpu_only_switches_for_stand_ins(smoke):
 
 
 def test_smoke_caps_the_batch_at_8(smoke):
-    assert get_preset("llama7b_qlora").batch_size == 8 and get_preset("tiny").batch_size > 8
+    assert get_preset("llama7b_qlora").batch_size == 8
     assert notebook.config_for("llama7b_qlora").batch_size == 8
     assert notebook.config_for("llama7b_lora", batch_size=32).batch_size == 8
     assert notebook.config_for("llama7b_lora", batch_size=2).batch_size == 2

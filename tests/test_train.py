@@ -4,8 +4,10 @@ folder, divergence on record, a resume that checks its config and checkpoints, S
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
+import math
 import os
 import re
 import shlex
@@ -18,7 +20,7 @@ import pytest
 import torch
 from helpers import SMALL_ARCH, SMALL_ARCH_ARGS, gpu, write_jsonl
 
-from tunekit import checkpoint, config, data, train
+from tunekit import batching, checkpoint, config, data, train
 from tunekit import model as mdl
 from tunekit.config import REPO_ROOT
 
@@ -200,7 +202,8 @@ def test_tiny_run_loss_falls(make_cfg):
     run = cfg.run_dir()
     for name in ("config.json", "metrics.jsonl", "summary.json", "adapter/adapter_config.json", "prepared/stats.json"):
         assert (run / name).exists(), name
-    assert config.load_config(run / "config.json") == train.resolved_config(cfg, *train.resolve_runtime(cfg))
+    resolved = train.resolved_config(cfg, *train.resolve_runtime(cfg))
+    assert config.load_config(run / "config.json") == dataclasses.replace(resolved, packing="pack")  # auto chose
     saved = json.loads((run / "summary.json").read_text())
     assert saved["steps"] == steps and saved["final_loss"] == pytest.approx(last5, rel=0.1)
     assert saved["data"]["samples"] == 64
@@ -307,7 +310,7 @@ def test_sigkill_then_resume(make_cfg, tmp_path):
         proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
 
-    resolved = train.resolved_config(killed, *train.resolve_runtime(killed))
+    resolved = dataclasses.replace(train.resolved_config(killed, *train.resolve_runtime(killed)), packing="pack")
     assert config.load_config(killed.run_dir() / "config.json") == resolved, "the CLI resolved another config"
     ckpt = checkpoint.latest_checkpoint(killed.run_dir())
     step = json.loads((ckpt / "meta.json").read_text())["step"]
@@ -495,8 +498,9 @@ def test_config_json_records_what_was_resolved(make_cfg, tmp_path, monkeypatch):
     path = tmp_path / "runs" / "tiny" / "config.json"
     saved = json.loads(path.read_text())
     assert saved["device"] in ("cpu", "cuda") and saved["dtype"] in ("fp32", "bf16", "fp16")
-    assert saved["out_dir"] == "runs/tiny"
-    assert config.load_config(path) == train.resolved_config(cfg, *train.resolve_runtime(cfg))
+    assert saved["out_dir"] == "runs/tiny" and saved["packing"] == "pack"  # what `auto` chose for this data
+    resolved = train.resolved_config(cfg, *train.resolve_runtime(cfg))
+    assert config.load_config(path) == dataclasses.replace(resolved, packing="pack")
 
 
 def test_summary_says_the_prepared_data_was_reused(make_cfg, tmp_path, small_records):
@@ -875,3 +879,54 @@ def test_readme_reliability_table_names_tests_that_exist():
     assert len(named) >= 15
     for file, test in named:
         assert f"def {test}(" in (REPO_ROOT / "tests" / file).read_text(), f"{file}::{test}"
+
+
+# ---- fast by default: packed rows, run length in epochs, what a run has seen ------------------------
+
+
+def expected_seen(cfg, steps: int) -> tuple[int, int]:
+    """(samples, real tokens) in the first `steps` optimizer steps of `cfg`'s batches, counted afresh."""
+    tokenizer, ds, stats = train.prepare(cfg, verbose=False)
+    run = dataclasses.replace(cfg, packing=stats["packing"])
+    stream = train.batches_from(ds, run, tokenizer.pad_token_id, 0, 0)
+    batches = [next(stream)[2] for _ in range(steps * cfg.grad_accum)]
+    return (sum(map(batching.count_samples, batches)), sum(int(b["attention_mask"].sum()) for b in batches))
+
+
+def test_the_default_packs_short_samples_and_counts_what_it_saw(make_cfg):
+    cfg = make_cfg(max_steps=5, grad_accum=2, batch_size=2)
+    assert cfg.packing == "auto"
+    summary = train.train(cfg, progress=False)
+    rows = train.read_metrics(cfg.run_dir())
+    assert json.loads((cfg.run_dir() / "config.json").read_text())["packing"] == "pack" == summary["packing"]
+    assert [r["samples"] for r in rows] == sorted({r["samples"] for r in rows}), "counts only grow"
+    samples, tokens = expected_seen(cfg, 5)
+    assert (rows[-1]["samples"], rows[-1]["tokens"]) == (samples, tokens) == (summary["samples_seen"],
+                                                                                summary["tokens_seen"])
+    assert samples > 5 * 2 * 2, "a packed row holds several samples"
+    assert summary["epochs_seen"] == pytest.approx(samples / summary["data"]["samples"], abs=1e-4)
+
+
+def test_epochs_set_the_run_length_and_a_resume_counts_on(make_cfg, monkeypatch, capsys):
+    cfg = make_cfg(epochs=2.5, save_every=2, batch_size=4)
+    rows = train.prepare(cfg, verbose=False)[2]["packed_rows"]
+    steps = math.ceil(2.5 * (rows // 4))
+    train.train(cfg, stop_after=3, progress=False)
+    saved = json.loads((cfg.run_dir() / "config.json").read_text())
+    assert saved["max_steps"] == steps and saved["epochs"] == 2.5  # recorded as resolved
+    summary = train.train(cfg, resume=True)  # `auto` and the computed max_steps pass the resume check
+    assert summary["steps"] == steps and f"-> {steps} optimizer steps" in capsys.readouterr().out
+    clean = make_cfg("clean", epochs=2.5, batch_size=4)
+    clean_summary = train.train(clean, progress=False)
+    for got, want in zip(train.read_metrics(cfg.run_dir()), train.read_metrics(clean.run_dir()), strict=True):
+        assert [got[k] for k in ("step", "samples", "tokens", "epoch")] == [want[k] for k in ("step", "samples",
+                                                                                                "tokens", "epoch")]
+        assert got["loss"] == pytest.approx(want["loss"], abs=1e-5)
+    assert summary["samples_seen"] == clean_summary["samples_seen"] and 2 < clean_summary["epochs_seen"] <= 2.5
+
+    def must_not_run(*a, **k):
+        raise AssertionError("a finished run needs no data and no model")
+
+    monkeypatch.setattr(train, "prepare", must_not_run)
+    assert train.train(cfg, resume=True)["steps"] == steps
+    assert "nothing to do" in capsys.readouterr().out

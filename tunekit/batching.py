@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 IGNORE = -100  # the label the loss skips: masked prompts, padding, the first token of a packed sample
-STRATEGIES = ("pad", "group", "pack")
+STRATEGIES = ("pad", "group", "pack")  # what `auto` (choose_packing) resolves to
 
 
 def lengths_of(ds) -> np.ndarray:
@@ -63,13 +63,15 @@ class Collator:
     """Pad a list of tokenized samples to the longest one; padded label positions are ignored.
 
     Packed rows (samples with `position_ids`) also get `position_ids`, the padding's restarting at 0 so the
-    padding is a document of its own. Unpacked batches get none: without them SDPA keeps its causal fast path."""
+    padding is a document of its own. Unpacked batches get none: without them SDPA keeps its causal fast path.
+    `pad_to` pads every batch to at least that width: packed rows all get the one shape `max_length`, so a
+    compiled kernel (FlexAttention's, `torch.compile`'s) is built once, not once per width."""
 
-    def __init__(self, pad_id: int, pad_to_multiple_of: int = 8):
-        self.pad_id, self.multiple = pad_id, pad_to_multiple_of
+    def __init__(self, pad_id: int, pad_to_multiple_of: int = 8, pad_to: int = 0):
+        self.pad_id, self.multiple, self.pad_to = pad_id, pad_to_multiple_of, pad_to
 
     def __call__(self, samples: list[dict]) -> dict[str, torch.Tensor]:
-        longest = max(len(s["input_ids"]) for s in samples)
+        longest = max(max(len(s["input_ids"]) for s in samples), self.pad_to)
         width = -(-longest // self.multiple) * self.multiple
         ids = torch.full((len(samples), width), self.pad_id, dtype=torch.long)
         labels = torch.full((len(samples), width), IGNORE, dtype=torch.long)
@@ -86,6 +88,29 @@ class Collator:
                 positions[i, n:] -= n
         batch = {"input_ids": ids, "labels": labels, "attention_mask": mask}
         return {**batch, "position_ids": positions} if packed else batch
+
+
+def count_samples(batch: dict) -> int:
+    """Samples in a collated batch: its rows, or, for packed rows, the samples that start in them (position 0
+    on a real token; the padding's restart does not count)."""
+    if "position_ids" not in batch:
+        return len(batch["input_ids"])
+    return int(((batch["position_ids"] == 0) & batch["attention_mask"].bool()).sum())
+
+
+def choose_packing(requested: str, lengths, max_length: int) -> tuple[str, str]:
+    """(strategy, one-line reason) for the config's `packing`: `auto` packs when the samples' mean length is
+    at most half of `max_length` (two or more to a row), else groups by length — a row that fits one sample
+    gains nothing from packing and would still pay for the document mask."""
+    if requested != "auto":
+        return requested, f"{requested}: asked for"
+    lengths = np.minimum(np.asarray(lengths, dtype=np.int64), max_length)
+    mean = float(lengths.mean()) if len(lengths) else 0.0
+    if mean <= max_length / 2:
+        return "pack", (f"auto: samples average {mean:.0f} tokens, at most half of max_length {max_length}: "
+                        f"packed into rows of {max_length}, each sample attending only to itself")
+    return "group", (f"auto: samples average {mean:.0f} tokens, over half of max_length {max_length}: batches "
+                     "of similar length")
 
 
 # ---- sampling ----------------------------------------------------------------------------------------
@@ -267,12 +292,14 @@ def default_num_workers() -> int:
 def build_dataloader(ds, batch_size: int, pad_id: int, seed: int = 0, epoch: int = 0, start_batch: int = 0,
                      num_workers: int | None = 0, pin_memory: bool | None = None, *,
                      prefetch_factor: int | None = None, persistent_workers: bool | None = None,
-                     group_by_length: bool = False, mega_batch: int = 64, pad_to_multiple_of: int = 8):
+                     group_by_length: bool = False, mega_batch: int = 64, pad_to_multiple_of: int = 8,
+                     pad_to: int = 0):
     """A DataLoader over a tokenized (or packed) dataset, starting at batch `start_batch` of epoch `epoch`.
 
     `num_workers=None` means `default_num_workers()`; `pin_memory=None` means "when CUDA is present".
     `prefetch_factor` (default 2, torch's) and `persistent_workers` (default on) apply only with workers and
-    are ignored without, so one sweep can pass them everywhere. `group_by_length` uses LengthGroupedSampler."""
+    are ignored without, so one sweep can pass them everywhere. `group_by_length` uses LengthGroupedSampler;
+    `pad_to` is the least batch width (see `Collator`)."""
     num_workers = default_num_workers() if num_workers is None else num_workers
     if pin_memory is None:
         pin_memory = torch.cuda.is_available()
@@ -290,6 +317,6 @@ def build_dataloader(ds, batch_size: int, pad_id: int, seed: int = 0, epoch: int
     generator = epoch_generator(seed, epoch)
     columns = [c for c in ("input_ids", "labels", "position_ids") if c in ds.column_names]
     return torch.utils.data.DataLoader(ds.with_format(columns=columns), batch_size=batch_size, sampler=sampler,
-                                       collate_fn=Collator(pad_id, pad_to_multiple_of), drop_last=True,
+                                       collate_fn=Collator(pad_id, pad_to_multiple_of, pad_to), drop_last=True,
                                        num_workers=num_workers, pin_memory=pin_memory, generator=generator,
                                        **extra)

@@ -171,6 +171,67 @@ def run_bench(cfg: TuneConfig, name: str = "", verbose: bool = True, memory_cap_
     return result
 
 
+# ---- the training loop itself, on real data ------------------------------------------------------------
+
+
+def run_train_loop(cfg: TuneConfig, name: str = "", verbose: bool = True) -> dict:
+    """Time `tunekit train` itself: the config's real data, prepared and batched as a run does it (`packing`
+    and all), the DataLoader, the step, the metrics row each step — everything the bare-step bench leaves out.
+
+    Runs `train.train` in a scratch folder for `bench_max_steps` steps of the config's schedule (stopped there,
+    as a kill would, so nothing is saved), logging every step. The first `bench_warmup` steps are not timed
+    (FlexAttention compiles its kernel in the first). `tokens_per_s` counts real (non-pad) tokens: the
+    timed steps' tokens over their wall time. Tokenizing before the loop is not timed; the run prints it."""
+    import dataclasses
+    import tempfile
+
+    from tunekit import train as tr
+
+    cfg.validate()
+    steps = cfg.bench_max_steps
+    if steps <= cfg.bench_warmup + 2:
+        raise ValueError(f"bench_max_steps ({steps}) must exceed bench_warmup ({cfg.bench_warmup}) by at least 3")
+    with tempfile.TemporaryDirectory(prefix="tunekit-train-loop-") as tmp:
+        run = dataclasses.replace(cfg, out_dir=tmp, log_every=1, save_every=0, max_steps=max(cfg.max_steps, steps),
+                                  epochs=0.0)
+        if verbose:
+            print(f"training {steps} steps of `tunekit train --preset {cfg.preset}` on {cfg.data} in {tmp} ...",
+                  flush=True)
+        t0 = time.perf_counter()
+        summary = tr.train(run, stop_after=steps, progress=False)
+        wall = time.perf_counter() - t0
+        rows = tr.read_metrics(tmp)
+    previous = {"samples": 0, "tokens": 0}
+    per_step = []  # (seconds, real tokens, samples) of each step
+    for r in rows:
+        tokens, samples = r["tokens"] - previous["tokens"], r["samples"] - previous["samples"]
+        per_step.append((tokens / r["tok_per_s"], tokens, samples))
+        previous = r
+    timed = per_step[cfg.bench_warmup:]
+    times = [t for t, _, _ in timed]
+    seconds, tokens, samples = sum(times), sum(n for _, n, _ in timed), sum(k for _, _, k in timed)
+    slots = cfg.batch_size * cfg.grad_accum * cfg.max_length  # packed rows are always full width
+    result = new_result(
+        name or f"train_{cfg.preset}", cfg, round(tokens / seconds, 1), rows[-1]["peak_mem_gb"],
+        call=f"bench.run_train_loop(TuneConfig(**config), name={name or 'train_' + cfg.preset!r})",
+        memory_measure="torch.cuda.max_memory_allocated" if torch.cuda.is_available() else "process peak RSS",
+        packing=summary["packing"], step_time_s=round(statistics.median(times), 5),
+        step_time_spread=round(spread(times), 4), median_error=round(median_error(times), 4),
+        step_times_s=[round(t, 5) for t in times], real_tokens_per_step=round(tokens / len(timed), 1),
+        samples_per_s=round(samples / seconds, 1), samples_per_step=round(samples / len(timed), 1),
+        padding_fraction=round(1 - tokens / len(timed) / slots, 4) if summary["packing"] == "pack" else None,
+        timed_steps=len(timed), wall_s=round(wall, 1), weights=cfg.model or "random-init",
+        data=f"{cfg.data}: real records, batches as `tunekit train` makes them ({summary['packing']}); tokens/s "
+             "counts real (non-pad) tokens",
+    )
+    if verbose:
+        print(f"batches: {summary['data']['packing_reason']}")
+        print(f"{result['name']}: {result['tokens_per_s']:,.0f} real tok/s, {result['samples_per_s']:,.1f} samples/s "
+              f"({result['samples_per_step']:.1f} samples a step, {len(timed)} steps timed after "
+              f"{cfg.bench_warmup}), peak {result['peak_memory_gb']:.2f} GB")
+    return result
+
+
 # ---- what fits -----------------------------------------------------------------------------------------
 
 

@@ -307,6 +307,23 @@ def open_run(run_dir: Path, cfg: TuneConfig, resume: bool, overwrite: bool, allo
     return ckpt, changes
 
 
+def derived(field: str, saved: dict, new: dict) -> bool:
+    """Whether a difference in `field` between a run's saved config and the one resuming it is only what the
+    run resolved: `packing: auto` became what the data decided, `max_steps` was computed from `epochs` (both
+    from the data and max_length, which are compared). Runs saved before config.json recorded resolved values
+    say `auto` for device and dtype: whatever that resolved to then passes."""
+    if field == "packing":
+        return new[field] == "auto"
+    if field == "max_steps":
+        return new["epochs"] > 0
+    return field in ("device", "dtype") and saved[field] == "auto"
+
+
+def saved_config(run_dir: Path) -> TuneConfig:
+    """The config a run recorded (resolved values included) in its config.json."""
+    return load_config(run_dir / "config.json")
+
+
 def check_resume_config(run_dir: Path, cfg: TuneConfig, allow_change: bool) -> list[str]:
     """Compare `cfg` (resolved) with the config the run in `run_dir` started with. Raise ConfigError listing
     the differences, unless each is in RESUME_SAFE_FIELDS and `allow_change`; return those changes.
@@ -318,9 +335,7 @@ def check_resume_config(run_dir: Path, cfg: TuneConfig, allow_change: bool) -> l
                               "config against. Put the run's config.json back, or start over with --overwrite.")
         return []
     saved, new = config_dict(load_config(path)), config_dict(cfg)
-    # Runs saved before config.json recorded resolved values say `auto`: whatever it resolved to then passes.
-    diffs = [(k, saved[k], new[k]) for k in new if k != "out_dir" and saved[k] != new[k]
-             and not (k in ("device", "dtype") and saved[k] == "auto")]
+    diffs = [(k, saved[k], new[k]) for k in new if k != "out_dir" and saved[k] != new[k] and not derived(k, saved, new)]
     lines = [f"{k}: {old!r} -> {value!r}" for k, old, value in diffs]
     unsafe = [k for k, _, _ in diffs if k not in RESUME_SAFE_FIELDS]
     head = f"cannot resume {run_dir}: the config differs from the one it started with ({path}):\n  "

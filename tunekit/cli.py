@@ -67,6 +67,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/bench", help="a .json file or a folder (default runs/bench)")
     p.add_argument("--repeat", type=int, default=1, help="bench in this many fresh processes and record the "
                    "run-to-run spread (one result with every run)")
+    p.add_argument("--train-loop", action="store_true", help="time `tunekit train` itself on the config's real "
+                   "data (its batches, DataLoader and logging) for --bench-max-steps steps, not the bare step on "
+                   "random tokens; tok/s counts real tokens (default name train_<preset>)")
     p = sub.add_parser("databench", help="lesson 1's data measurements (train | loader | read)",
                        description="train: C1, GPU wait and packing on the preset's model; loader: DataLoader "
                        "knob sweep; read: RAM vs memory-mapped vs JSONL.", **common)
@@ -156,7 +159,13 @@ def main(argv: list[str] | None = None) -> int:
             from tunekit.bench import measure_noise, run_bench
             from tunekit.results import save_result
 
-            if args.repeat > 1:
+            if args.train_loop:
+                from tunekit.bench import run_train_loop
+
+                if args.repeat > 1:
+                    raise ValueError("--repeat applies to the step bench; run --train-loop once per process")
+                result = run_train_loop(cfg, args.name)
+            elif args.repeat > 1:
                 result = measure_noise(args.preset, rest, args.name or f"noise_{cfg.preset}", args.repeat)
             else:
                 result = run_bench(cfg, args.name)

@@ -19,7 +19,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("full", "lora", "qlora")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention")
-PACKING = ("pad", "group", "pack")
+PACKING = ("auto", "pad", "group", "pack")
 DEVICES = ("auto", "cpu", "cuda")
 LOSSES = ("chunked", "plain")
 OPTIMIZERS = ("adamw", "adamw8bit")
@@ -121,10 +121,13 @@ class TuneConfig:
     template file."""
     max_length: int = 256
     """Tokens per sample; longer samples are truncated (and counted)."""
-    packing: str = "pad"
-    """How samples become batches: `pad` (shuffle, pad to the batch's longest), `group` (batches of similar
-    length, less padding) or `pack` (concatenate samples into `max_length` rows; each attends only to
-    itself through position_ids — no padding at all)."""
+    packing: str = "auto"
+    """How samples become batches of `batch_size` rows: `pack` (concatenate samples into rows of `max_length`;
+    each attends only to itself, through position_ids: no padding at all), `group` (batches of similar length,
+    little padding), `pad` (shuffle, pad to the batch's longest) or `auto`: `pack` when the samples are short
+    against `max_length` (their mean at most half of it), else `group`. What `auto` chose is printed and
+    recorded in the run's config.json. A step then holds as many samples as fit, not `batch_size`: every
+    metrics row counts the samples and real tokens seen so far."""
     num_workers: int = 0
     """DataLoader worker processes. 0 collates in the training process."""
     pin_memory: bool = True
@@ -156,7 +159,10 @@ class TuneConfig:
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this; 0 disables clipping."""
     max_steps: int = 150
-    """Optimizer steps to run."""
+    """Optimizer steps to run (the cosine schedule spans them). Ignored when `epochs` is set."""
+    epochs: float = 0.0
+    """When above 0, the run length in passes over the data (1.5 is allowed): `max_steps` is computed from the
+    prepared data (rows, or packed rows, per optimizer step) and recorded in the run's config.json."""
 
     # ---- logging and checkpoints -----------------------------------------------------------------
     log_every: int = 1
@@ -224,6 +230,7 @@ class TuneConfig:
                      "cpu_threads"):
             need(getattr(self, name) >= 0, name, "must be zero or positive")
         need(self.lr > 0, "lr", "must be positive")
+        need(math.isfinite(self.epochs) and self.epochs >= 0, "epochs", "must be zero (use max_steps) or a positive number")
         need(math.isfinite(self.lr), "lr", "must be a finite number")
         need(self.keep_checkpoints >= 1, "keep_checkpoints", "must be at least 1")
         need(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be between 0 and 1")
@@ -250,8 +257,9 @@ class TuneConfig:
 
 
 def tiny(**overrides) -> TuneConfig:
-    """A random-init 4-layer Llama (1.2M params) on the project's arithmetic data. Runs on a laptop CPU in seconds."""
-    return TuneConfig(**{"preset": "tiny", **overrides})
+    """A random-init 4-layer Llama (1.2M params) on the project's arithmetic data. Runs on a laptop CPU in seconds.
+    Batch 4: packed rows of 256 tokens hold about 19 of its samples, so a step sees about as many as 16 padded."""
+    return TuneConfig(**{"preset": "tiny", "batch_size": 4, **overrides})
 
 
 def _llama7b(**kw) -> dict:
@@ -289,8 +297,9 @@ PRESETS: dict[str, typing.Callable[..., TuneConfig]] = {
 GPU_PRESETS = ("llama7b_lora", "llama7b_qlora", "llama7b_qlora_lowmem")
 # Fields a resumed run may change (`tunekit train --resume --allow-config-change`): none of them touches the
 # weights, the data order or the optimizer state. A new `max_steps` recomputes the cosine schedule for the new
-# length, so the learning rate jumps at the resumed step; the benchmark fields are not read by training.
-RESUME_SAFE_FIELDS = ("max_steps", "save_every", "log_every", "keep_checkpoints", "num_workers", "pin_memory",
+# length (as a new `epochs` does), so the learning rate jumps at the resumed step; the benchmark fields are not
+# read by training.
+RESUME_SAFE_FIELDS = ("max_steps", "epochs", "save_every", "log_every", "keep_checkpoints", "num_workers", "pin_memory",
                       "prefetch_factor", "persistent_workers", "cpu_threads", "bench_warmup", "bench_steps",
                       "bench_max_steps", "bench_target_error")
 

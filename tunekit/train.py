@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tunekit import checkpoint, data, loss as loss_fn, memory, model as mdl
+from tunekit import batching, checkpoint, data, loss as loss_fn, memory, model as mdl
 from tunekit.attention import choose_attention, sdpa_backends, sdpa_context
 from tunekit.config import GPU_PRESETS, TuneConfig, save_config
 
@@ -84,7 +84,9 @@ def build_tokenizer(cfg: TuneConfig, records=None):
 def prepare(cfg: TuneConfig, num_proc: int | None = None, verbose: bool = True):
     """Tokenize the training data offline into `<run_dir>/prepared/`, or reuse it if it is up to date.
 
-    Returns (tokenizer, tokenized dataset, stats)."""
+    Returns (tokenizer, tokenized dataset, stats); `stats["packing"]` is the strategy the config's `packing`
+    resolved to (`auto` decides from the sample lengths, `batching.choose_packing`), and the dataset is then
+    packed rows if it is `pack`."""
     import datasets
 
     run_dir = cfg.run_dir()
@@ -92,7 +94,7 @@ def prepare(cfg: TuneConfig, num_proc: int | None = None, verbose: bool = True):
     src = Path(data.resolve_source(cfg.data))
     stamp = f"{src.stat().st_size}:{src.stat().st_mtime_ns}" if src.is_file() else cfg.data
     key = hashlib.sha256(json.dumps([cfg.data, stamp, cfg.tokenizer or cfg.model, cfg.tokenizer_vocab,
-                                     cfg.max_length, cfg.packing == "pack", cfg.fields, cfg.response_template,
+                                     cfg.max_length, cfg.packing, cfg.fields, cfg.response_template,
                                      cfg.instruction_template, data.read_chat_template(cfg.chat_template)]
                                     ).encode()).hexdigest()[:16]
     stats_file = out / "stats.json"
@@ -102,6 +104,7 @@ def prepare(cfg: TuneConfig, num_proc: int | None = None, verbose: bool = True):
         stats = {**json.loads(stats_file.read_text()), "cached": True}  # this run reused the prepared data
         if verbose:
             print(f"data: reusing {out} ({stats['samples']} samples, {stats['tokens']} tokens)")
+            print(f"batches: {stats['packing_reason']}")
         return AutoTokenizer.from_pretrained(str(out / "tokenizer")), datasets.load_from_disk(str(out / "dataset")), stats
     if not verbose or not _on_terminal():  # progress bars are carriage returns in a log file
         datasets.disable_progress_bars()
@@ -110,7 +113,9 @@ def prepare(cfg: TuneConfig, num_proc: int | None = None, verbose: bool = True):
     ds, stats = data.tokenize_dataset(records, tokenizer, cfg.max_length, num_proc=num_proc, source=cfg.data,
                                       response_template=cfg.response_template,
                                       instruction_template=cfg.instruction_template, chat_template=cfg.chat_template)
-    if cfg.packing == "pack":
+    stats["packing"], stats["packing_reason"] = batching.choose_packing(cfg.packing, data.lengths_of(ds),
+                                                                        cfg.max_length)
+    if stats["packing"] == "pack":
         ds = data.pack_dataset(ds, cfg.max_length)
         stats["packed_rows"] = len(ds)
     stats["key"] = key
@@ -121,6 +126,7 @@ def prepare(cfg: TuneConfig, num_proc: int | None = None, verbose: bool = True):
     if verbose:
         print(f"data: {stats['samples']} samples, {stats['tokens']} tokens, {stats['truncated']} truncated "
               f"to {cfg.max_length} -> {out}")
+        print(f"batches: {stats['packing_reason']}")
     return tokenizer, datasets.load_from_disk(str(out / "dataset")), stats
 
 
@@ -273,7 +279,8 @@ def batches_from(ds, cfg: TuneConfig, pad_id: int, epoch: int, start_batch: int)
     loader = data.build_dataloader(ds, cfg.batch_size, pad_id, cfg.seed, epoch, start_batch, cfg.num_workers,
                                    pin_memory=cfg.pin_memory and torch.cuda.is_available(),
                                    prefetch_factor=cfg.prefetch_factor, persistent_workers=cfg.persistent_workers,
-                                   group_by_length=cfg.packing == "group")
+                                   group_by_length=cfg.packing == "group",
+                                   pad_to=cfg.max_length if cfg.packing == "pack" else 0)
     loader.worker_init_fn = functools.partial(_worker_init, loader.worker_init_fn)
     while True:
         for i, batch in enumerate(loader, start_batch):
@@ -290,6 +297,17 @@ def _worker_init(then, worker_id: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if then is not None:
         then(worker_id)
+
+
+def run_length(cfg: TuneConfig, rows: int, say=print) -> TuneConfig:
+    """`cfg` with `max_steps` computed from `epochs` when that is set: optimizer steps that take `epochs`
+    passes over `rows` batch rows (samples, or packed rows), whole batches only, as the loader gives them."""
+    if not cfg.epochs:
+        return cfg
+    per_epoch = rows // cfg.batch_size  # the loader drops the last incomplete batch
+    steps = max(1, math.ceil(cfg.epochs * per_epoch / cfg.grad_accum))
+    say(f"length: {cfg.epochs:g} epochs of {per_epoch} batches of {cfg.batch_size} -> {steps} optimizer steps")
+    return dataclasses.replace(cfg, max_steps=steps)
 
 
 # ---- stopping without losing work: divergence, signals, what the run records ------------------------
@@ -373,8 +391,12 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
     with _removed_if_left_empty(run_dir), stop_requests(state):
         ckpt, changes = checkpoint.open_run(run_dir, resolved, resume, overwrite, allow_config_change, say)
         step = checkpoint.checkpoint_step(ckpt) if ckpt else 0
-        if step >= cfg.max_steps:  # before the data and the model are built
-            say(f"nothing to do: {run_dir} already ran {step} of {cfg.max_steps} steps")
+        planned = cfg.max_steps
+        if cfg.epochs and ckpt is not None:  # the data decides the length: known here only if epochs is as saved
+            saved_cfg = checkpoint.saved_config(run_dir)
+            planned = saved_cfg.max_steps if saved_cfg.epochs == cfg.epochs else math.inf
+        if step >= planned:  # before the data and the model are built
+            say(f"nothing to do: {run_dir} already ran {step} of {planned} steps")
             done = run_dir / "summary.json"
             stats = json.loads(done.read_text()).get("data") if done.exists() else None
             return {"steps": step, "losses": [], "final_loss": None, "data": stats, "run_dir": str(run_dir)}
@@ -382,7 +404,10 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
         tokenizer, ds, stats = prepare(cfg, verbose=progress)
         say(data.preview(ds, tokenizer, stats))  # one sample as the model sees it, the masked part marked
         if len(ds) < cfg.batch_size:
-            raise ValueError(f"{cfg.data}: {len(ds)} samples, fewer than one batch of {cfg.batch_size}.")
+            what = "packed rows" if stats["packing"] == "pack" else "samples"
+            raise ValueError(f"{cfg.data}: {len(ds)} {what}, fewer than one batch of {cfg.batch_size}.")
+        cfg = run_length(dataclasses.replace(cfg, packing=stats["packing"]), len(ds), say)
+        resolved = resolved_config(cfg, device, dtype)
         torch.manual_seed(cfg.seed)
         model, optimizer, scheduler, options = build_training(cfg, len(tokenizer), device, dtype, cfg.max_steps,
                                                               progress)
@@ -415,17 +440,21 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
         bar = tqdm(total=cfg.max_steps, initial=step, desc="train") if progress and _on_terminal() else None
         memory.reset_peak_memory(device)
         t_last, tokens_since, losses, saved_at = time.perf_counter(), 0, [], step
-        position = {"epoch": epoch, "next_batch": start_batch}  # of the last finished step
+        # Samples and real tokens trained on so far, counting the run this one resumes.
+        seen = {k: saved["data"].get(k, 0) if ckpt else 0 for k in ("samples", "tokens")}
+        position = {"epoch": epoch, "next_batch": start_batch, **seen}  # of the last finished step
         with open(metrics_file, "a") as mf:
             while step < cfg.max_steps and state["signal"] is None:
                 micro = []
                 for _ in range(cfg.grad_accum):
                     epoch, index, batch = next(stream)
-                    tokens_since += int(batch.pop("attention_mask").sum())  # real tokens, counted on the host
+                    seen["samples"] += batching.count_samples(batch)
+                    real = int(batch.pop("attention_mask").sum())  # real tokens, counted on the host
+                    tokens_since, seen["tokens"] = tokens_since + real, seen["tokens"] + real
                     micro.append(to_device(batch, device))
                 out = train_step(model, micro, optimizer, scheduler, cfg.max_grad_norm, **options)
                 step += 1
-                position = {"epoch": epoch, "next_batch": index + 1}
+                position = {"epoch": epoch, "next_batch": index + 1, **seen}
                 loss, grad_norm = out["loss"].item(), float(out["grad_norm"])
                 losses.append(loss)
                 diverged = not (math.isfinite(loss) and math.isfinite(grad_norm))
@@ -433,7 +462,7 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
                     now = time.perf_counter()
                     alloc, _ = memory.peak_memory_gb(device)
                     row = {"step": step, "loss": round(loss, 6), "lr": scheduler.get_last_lr()[0],
-                           "grad_norm": round(grad_norm, 6), "epoch": epoch,
+                           "grad_norm": round(grad_norm, 6), "epoch": epoch, **seen,
                            "tok_per_s": round(tokens_since / (now - t_last), 1), "peak_mem_gb": round(alloc, 3)}
                     mf.write(_json_line(row))
                     mf.flush()
@@ -441,7 +470,8 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
                         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tok_per_s']:.0f}", mem=f"{alloc:.1f}G")
                     else:
                         say(f"step {step}/{cfg.max_steps}: loss {loss:.4f}, lr {row['lr']:.3g}, grad norm "
-                            f"{grad_norm:.3g}, {row['tok_per_s']:,.0f} tok/s, peak {alloc:.2f} GB", flush=True)
+                            f"{grad_norm:.3g}, {row['tok_per_s']:,.0f} tok/s, peak {alloc:.2f} GB, "
+                            f"{seen['samples']:,} samples seen", flush=True)
                     t_last, tokens_since = now, 0
                 if diverged:
                     if bar is not None:
@@ -474,7 +504,9 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
                 what = "before the first step finished; no checkpoint"
             raise Interrupted(state["signal"], step, state["checkpoint"], what)
         summary = {"steps": step, "losses": losses, "final_loss": losses[-1] if losses else None,
-                   "data": stats, "run_dir": str(run_dir)}
+                   "samples_seen": seen["samples"], "tokens_seen": seen["tokens"],
+                   "epochs_seen": round(seen["samples"] / max(1, stats["samples"]), 4),
+                   "packing": stats["packing"], "data": stats, "run_dir": str(run_dir)}
         if step >= cfg.max_steps:  # (a signal now changes nothing: the run is finishing)
             checkpoint.save_checkpoint(run_dir, step, model, optimizer, scheduler, position, cfg.keep_checkpoints)
             # LoRA: the PEFT adapter folder; full fine-tuning: the whole model, loadable with from_pretrained.
