@@ -159,3 +159,13 @@ def test_execute_writes_plain_text_progress_and_the_kernelspec(tmp_path, monkeyp
     assert outs[0].data["text/plain"].startswith("work: 100%|██████████| 3/3 [") and list(outs[0].data) == ["text/plain"]
     assert "widgets" not in done.metadata and done.metadata.kernelspec.display_name != "Python 3"
     assert text.endswith("}\n")
+
+
+def test_notebook_code_fits_a_laptop_screen():
+    """No code line of a notebook is over 100 characters: every cell reads on a laptop screen in JupyterLab."""
+    paths = sorted((REPO_ROOT / "notebooks").glob("*.ipynb"))
+    assert paths
+    long = [f"{path.name}, cell index {i}, line {j + 1} ({len(line)} characters): {line}"
+            for path in paths for i, cell in enumerate(nbformat.read(path, as_version=4).cells)
+            if cell.cell_type == "code" for j, line in enumerate(cell.source.split("\n")) if len(line) > 100]
+    assert not long, "code lines over 100 characters:\n" + "\n".join(long)
