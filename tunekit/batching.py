@@ -121,20 +121,30 @@ def epoch_generator(seed: int, epoch: int) -> torch.Generator:
 
 
 class EpochSampler(torch.utils.data.Sampler):
-    """A seeded permutation per epoch that can start at any sample: the data position of a checkpoint."""
+    """A seeded permutation per epoch that can start at any sample: the data position of a checkpoint.
 
-    def __init__(self, n: int, seed: int, epoch: int = 0, start: int = 0):
-        self.n, self.seed, self.epoch, self.start = n, seed, epoch, start
+    With `world` > 1 (distributed training) rank `rank` takes every `world`-th index of the epoch's order,
+    starting at its own: consecutive runs of `world` indices are split one to a rank, so batch i of every rank
+    together holds the same samples as batch i of one process with `world` times the batch, and `start` (in
+    this rank's samples) is the same position on every rank. The last `n % world` indices are dropped, so
+    every rank has as many."""
+
+    def __init__(self, n: int, seed: int, epoch: int = 0, start: int = 0, rank: int = 0, world: int = 1):
+        self.n, self.seed, self.epoch, self.start, self.rank, self.world = n, seed, epoch, start, rank, world
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         """Move to another epoch: one DataLoader (and its persistent workers) can then serve them all."""
         self.epoch, self.start = epoch, start
 
+    def order(self) -> list[int]:
+        return torch.randperm(self.n, generator=epoch_generator(self.seed, self.epoch)).tolist()
+
     def __iter__(self) -> Iterator[int]:
-        return iter(torch.randperm(self.n, generator=epoch_generator(self.seed, self.epoch))[self.start:].tolist())
+        order = self.order()
+        return iter(order[: len(order) - len(order) % self.world][self.rank::self.world][self.start:])
 
     def __len__(self) -> int:
-        return self.n - self.start
+        return self.n // self.world - self.start
 
 
 class LengthGroupedSampler(EpochSampler):
@@ -142,12 +152,14 @@ class LengthGroupedSampler(EpochSampler):
     `mega_batch` batches, each sorted by length (longest first) and cut into batches, which are then
     shuffled within the mega-batch. A last incomplete batch stays last, where `drop_last` drops it."""
 
-    def __init__(self, lengths, batch_size: int, seed: int, epoch: int = 0, start: int = 0, mega_batch: int = 64):
-        super().__init__(len(lengths), seed, epoch, start)
+    def __init__(self, lengths, batch_size: int, seed: int, epoch: int = 0, start: int = 0, mega_batch: int = 64,
+                 rank: int = 0, world: int = 1):
+        super().__init__(len(lengths), seed, epoch, start, rank, world)
         self.lengths, self.batch_size, self.mega_batch = np.asarray(lengths), batch_size, mega_batch
 
-    def __iter__(self) -> Iterator[int]:
-        g, bs = epoch_generator(self.seed, self.epoch), self.batch_size
+    def order(self) -> list[int]:
+        # Batches of the global batch size (every rank's share of one step), similar in length throughout.
+        g, bs = epoch_generator(self.seed, self.epoch), self.batch_size * self.world
         order, out = torch.randperm(self.n, generator=g).numpy(), []
         for s in range(0, self.n, bs * self.mega_batch):
             chunk = order[s:s + bs * self.mega_batch]
@@ -156,7 +168,7 @@ class LengthGroupedSampler(EpochSampler):
             for b in torch.randperm(full, generator=g).tolist():
                 out += chunk[b * bs:(b + 1) * bs].tolist()
             out += chunk[full * bs:].tolist()
-        return iter(out[self.start:])
+        return out
 
 
 # ---- packing -----------------------------------------------------------------------------------------
@@ -293,21 +305,22 @@ def build_dataloader(ds, batch_size: int, pad_id: int, seed: int = 0, epoch: int
                      num_workers: int | None = 0, pin_memory: bool | None = None, *,
                      prefetch_factor: int | None = None, persistent_workers: bool | None = None,
                      group_by_length: bool = False, mega_batch: int = 64, pad_to_multiple_of: int = 8,
-                     pad_to: int = 0):
+                     pad_to: int = 0, rank: int = 0, world: int = 1):
     """A DataLoader over a tokenized (or packed) dataset, starting at batch `start_batch` of epoch `epoch`.
 
     `num_workers=None` means `default_num_workers()`; `pin_memory=None` means "when CUDA is present".
     `prefetch_factor` (default 2, torch's) and `persistent_workers` (default on) apply only with workers and
     are ignored without, so one sweep can pass them everywhere. `group_by_length` uses LengthGroupedSampler;
-    `pad_to` is the least batch width (see `Collator`)."""
+    `pad_to` is the least batch width (see `Collator`); `rank` and `world` give this rank its share of every
+    global batch (see `EpochSampler`), `start_batch` counting this rank's batches."""
     num_workers = default_num_workers() if num_workers is None else num_workers
     if pin_memory is None:
         pin_memory = torch.cuda.is_available()
     start = start_batch * batch_size
     if group_by_length:
-        sampler = LengthGroupedSampler(lengths_of(ds), batch_size, seed, epoch, start, mega_batch)
+        sampler = LengthGroupedSampler(lengths_of(ds), batch_size, seed, epoch, start, mega_batch, rank, world)
     else:
-        sampler = EpochSampler(len(ds), seed, epoch, start)
+        sampler = EpochSampler(len(ds), seed, epoch, start, rank, world)
     extra = {}
     if num_workers > 0:
         extra = dict(prefetch_factor=prefetch_factor or 2,

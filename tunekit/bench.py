@@ -111,8 +111,12 @@ def run_bench(cfg: TuneConfig, name: str = "", verbose: bool = True, memory_cap_
     from tunekit import train as tr
     from tunekit.model import count_parameters
 
+    from tunekit import distributed
+
     cfg.validate()  # fields may have been set after construction
     device, dtype = tr.resolve_runtime(cfg)
+    distributed.init(device)  # under torchrun: every rank times its own share; each step synchronises them all
+    verbose = verbose and distributed.is_main()
     vocab = cfg.vocab_size or len(tr.build_tokenizer(cfg))
     torch.manual_seed(cfg.seed)
     memory.reset_peak_memory(device)
@@ -180,32 +184,47 @@ def run_train_loop(cfg: TuneConfig, name: str = "", verbose: bool = True) -> dic
 
     Runs `train.train` in a scratch folder for `bench_max_steps` steps of the config's schedule (stopped there,
     as a kill would, so nothing is saved), logging every step. The first `bench_warmup` steps are not timed
-    (FlexAttention compiles its kernel in the first). `tokens_per_s` counts real (non-pad) tokens: the
-    timed steps' tokens over their wall time. Tokenizing before the loop is not timed; the run prints it."""
+    (FlexAttention compiles its kernel in the first). `tokens_per_s` counts real (non-pad) tokens per GPU:
+    the timed steps' tokens over their wall time. Tokenizing before the loop is not timed. Under torchrun
+    every rank trains; rank 0 returns the result, the others None."""
     import dataclasses
+    import os
+    import shutil
     import tempfile
 
-    from tunekit import train as tr
+    from tunekit import distributed, train as tr
 
     cfg.validate()
     steps = cfg.bench_max_steps
     if steps <= cfg.bench_warmup + 2:
         raise ValueError(f"bench_max_steps ({steps}) must exceed bench_warmup ({cfg.bench_warmup}) by at least 3")
-    with tempfile.TemporaryDirectory(prefix="tunekit-train-loop-") as tmp:
-        run = dataclasses.replace(cfg, out_dir=tmp, log_every=1, save_every=0, max_steps=max(cfg.max_steps, steps),
-                                  epochs=0.0)
+    # One scratch folder for all ranks of a torchrun launch (named by its rendezvous), else this process's own.
+    job = (f"{os.environ.get('MASTER_ADDR')}-{os.environ.get('MASTER_PORT')}" if distributed.launched()
+           else str(os.getpid()))
+    tmp = Path(tempfile.gettempdir()) / f"tunekit-train-loop-{job}"
+    verbose = verbose and distributed.is_main()
+    try:
+        run = dataclasses.replace(cfg, out_dir=str(tmp), log_every=1, save_every=0,
+                                  max_steps=max(cfg.max_steps, steps), epochs=0.0)
         if verbose:
             print(f"training {steps} steps of `tunekit train --preset {cfg.preset}` on {cfg.data} in {tmp} ...",
                   flush=True)
         t0 = time.perf_counter()
-        summary = tr.train(run, stop_after=steps, progress=False)
+        summary = tr.train(run, stop_after=steps, progress=False, overwrite=True)
         wall = time.perf_counter() - t0
         rows = tr.read_metrics(tmp)
+        distributed.barrier()  # every rank has finished before rank 0 removes the folder
+    finally:
+        if distributed.is_main():
+            shutil.rmtree(tmp, ignore_errors=True)
+    if not distributed.is_main():
+        return None
+    world = distributed.world_size()
     previous = {"samples": 0, "tokens": 0}
     per_step = []  # (seconds, real tokens, samples) of each step
-    for r in rows:
+    for r in rows:  # the counts are of all ranks: per GPU, divided by the world size
         tokens, samples = r["tokens"] - previous["tokens"], r["samples"] - previous["samples"]
-        per_step.append((tokens / r["tok_per_s"], tokens, samples))
+        per_step.append((tokens / r["tok_per_s"], tokens / world, samples / world))
         previous = r
     timed = per_step[cfg.bench_warmup:]
     times = [t for t, _, _ in timed]

@@ -136,16 +136,26 @@ def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def save_checkpoint(run_dir: str | os.PathLike, step: int, model, optimizer, scheduler, data_state: dict,
                     keep: int = 2) -> Path:
     """Write `run_dir/ckpt-<step>/` atomically and point `run_dir/latest` at it. Keeps the newest `keep`."""
+    from tunekit import distributed
+
     run_dir = Path(run_dir)
-    _check_writable(run_dir)
     final = run_dir / f"ckpt-{step:07d}"
+    sharded = distributed.is_sharded(model)
+    if sharded:  # FSDP2: gathered whole, every rank taking part; rank 0 writes
+        trainable, optim = distributed.full_state(model, optimizer)
+    if not distributed.is_main():  # DDP: every rank holds the same state; rank 0 writes it
+        distributed.barrier()
+        return final
+    if not sharded:
+        trainable, optim = trainable_state_dict(model), optimizer.state_dict()
+    _check_writable(run_dir)
     with atomic_output(final) as tmp:
         tmp.mkdir()
-        torch.save(trainable_state_dict(model), tmp / "trainable.pt")
+        torch.save(trainable, tmp / "trainable.pt")
         if hasattr(model, "peft_config"):  # also a standard PEFT adapter folder, loadable with PeftModel
-            model.save_pretrained(tmp / "adapter")
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "rng": rng_state(), "data": data_state, "step": step}, tmp / "state.pt")
+            model.save_pretrained(tmp / "adapter", state_dict=trainable if sharded else None)
+        torch.save({"optimizer": optim, "scheduler": scheduler.state_dict(), "rng": rng_state(),
+                    "data": data_state, "step": step, "sharded": sharded}, tmp / "state.pt")
         files = {str(f.relative_to(tmp)): {"sha256": _sha256(f), "bytes": f.stat().st_size}
                  for f in sorted(tmp.rglob("*")) if f.is_file()}
         (tmp / META).write_text(json.dumps({"step": step, "data": data_state, "files": files}, indent=1) + "\n")
@@ -153,6 +163,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model, optimizer, sch
     old = [p for p in checkpoints(run_dir) if p != final]
     for p in old[: max(0, len(old) - (keep - 1))]:
         shutil.rmtree(p, ignore_errors=True)
+    distributed.barrier()  # the other ranks go on once the checkpoint is complete
     return final
 
 
@@ -239,6 +250,17 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer, scheduler, verify
         except Exception as e:  # noqa: BLE001 - torch.load fails in many ways on a damaged file
             raise CheckpointError(f"cannot load checkpoint file {path / name}: {type(e).__name__}: {e}") from None
     trainable, state = loaded["trainable.pt"], loaded["state.pt"]
+    from tunekit import distributed
+
+    if distributed.is_sharded(model) or state.get("sharded"):
+        if not (distributed.is_sharded(model) and state.get("sharded")):
+            kind = "sharded (FSDP2)" if state.get("sharded") else "single-process or DDP"
+            raise CheckpointError(f"{path} was written by a {kind} run; resume it the same way (--parallel and "
+                                  "the launch)")
+        distributed.load_full_state(model, optimizer, trainable, state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        return {"step": state["step"], "data": state["data"]}
     params = dict(model.named_parameters())
     missing = [n for n in trainable if n not in params]
     if missing:
@@ -287,10 +309,11 @@ def clean_temp(run_dir: str | os.PathLike) -> list[str]:
 
 
 def open_run(run_dir: Path, cfg: TuneConfig, resume: bool, overwrite: bool, allow_config_change: bool,
-             say=print) -> tuple[Path | None, list[str]]:
+             say=print, clean: bool = True) -> tuple[Path | None, list[str]]:
     """Check the run folder before any data or model work; return (the checkpoint to resume from, the config
-    changes a resume allows). Removes temps that killed writes left; otherwise changes nothing."""
-    for name in clean_temp(run_dir):
+    changes a resume allows). With `clean` (rank 0 of a distributed run, or a single process), removes temps
+    that killed writes left; otherwise changes nothing."""
+    for name in clean_temp(run_dir) if clean else ():
         say(f"removed {run_dir / name}, left by an interrupted write")
     if not resume:
         if (found := run_contents(run_dir)) and not overwrite:

@@ -125,6 +125,14 @@ def unknown_arguments(command: argparse.ArgumentParser, rest: list[str], takes_f
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    finally:  # a run launched by torchrun leaves its process group cleanly
+        if (dist := sys.modules.get("tunekit.distributed")) is not None:
+            dist.teardown()
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = make_parser()
     args, rest = parser.parse_known_args(argv)
@@ -169,7 +177,10 @@ def main(argv: list[str] | None = None) -> int:
                 result = measure_noise(args.preset, rest, args.name or f"noise_{cfg.preset}", args.repeat)
             else:
                 result = run_bench(cfg, args.name)
-            print(f"result -> {save_result(result, args.out)}")
+            from tunekit import distributed
+
+            if distributed.is_main():  # under torchrun, rank 0 writes the result (tok/s per GPU)
+                print(f"result -> {save_result(result, args.out)}")
         elif args.command == "fit":
             from tunekit.bench import find_micro_batch
             from tunekit.results import save_result

@@ -24,6 +24,7 @@ DEVICES = ("auto", "cpu", "cuda")
 LOSSES = ("chunked", "plain")
 OPTIMIZERS = ("adamw", "adamw8bit")
 SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
+PARALLEL = ("auto", "ddp", "fsdp")
 
 
 class ConfigError(ValueError):
@@ -137,6 +138,13 @@ class TuneConfig:
     persistent_workers: bool = True
     """Keep workers alive between epochs instead of restarting them (only with `num_workers` > 0)."""
 
+    # ---- several GPUs (under torchrun) --------------------------------------------------------------
+    parallel: str = "auto"
+    """How a run launched on several processes (`torchrun --nproc_per_node N -m tunekit.cli train ...`) splits
+    the work: `ddp` (each GPU holds the model; gradients are all-reduced), `fsdp` (FSDP2: weights, gradients
+    and optimizer state sharded across GPUs) or `auto` (fsdp for full fine-tuning, ddp for LoRA and QLoRA).
+    Ignored in a single process. See tunekit/distributed.py."""
+
     # ---- optimisation ----------------------------------------------------------------------------
     loss: str = "chunked"
     """`chunked`: LM head and cross-entropy fused, 1k tokens at a time, never holding the logits (see
@@ -200,6 +208,7 @@ class TuneConfig:
         need(self.packing in PACKING, "packing", f"choose one of {', '.join(PACKING)}")
         need(self.loss in LOSSES, "loss", f"choose one of {', '.join(LOSSES)}")
         need(self.optimizer in OPTIMIZERS, "optimizer", f"choose one of {', '.join(OPTIMIZERS)}")
+        need(self.parallel in PARALLEL, "parallel", f"choose one of {', '.join(PARALLEL)}")
         names = [b.strip() for b in self.sdpa_backend.split(",")]
         need(self.sdpa_backend == "auto" or (all(names) and set(names) <= set(SDPA_BACKENDS)), "sdpa_backend",
              f"use auto or a comma-separated list of {', '.join(SDPA_BACKENDS)}")

@@ -114,10 +114,15 @@ def versions() -> dict:
 
 
 def new_result(name: str, cfg: TuneConfig | None, tokens_per_s: float | None, peak_memory_gb: float | None,
-               call: str = "", world_size: int = 1, **fields) -> dict:
-    """A result dict: the shared header (required keys, date, provenance) then `fields`, config and versions."""
+               call: str = "", world_size: int | None = None, **fields) -> dict:
+    """A result dict: the shared header (required keys, date, provenance) then `fields`, config and versions.
+    `world_size` defaults to the processes of the running process group (1 without one); `tokens_per_s` is
+    per GPU."""
+    from tunekit import distributed
+
     return {
-        "name": name, "preset": cfg.preset if cfg else "-", "gpu": gpu_name(), "world_size": world_size,
+        "name": name, "preset": cfg.preset if cfg else "-", "gpu": gpu_name(),
+        "world_size": world_size or distributed.world_size(),
         "tokens_per_s": tokens_per_s, "peak_memory_gb": peak_memory_gb,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         **provenance(call), **fields,

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tunekit import batching, checkpoint, data, loss as loss_fn, memory, model as mdl
+from tunekit import batching, checkpoint, data, distributed, loss as loss_fn, memory, model as mdl
 from tunekit.attention import choose_attention, sdpa_backends, sdpa_context
 from tunekit.config import GPU_PRESETS, TuneConfig, save_config
 
@@ -173,12 +173,21 @@ def build_training_model(cfg: TuneConfig, vocab_size: int, device: str, dtype: t
 
 def build_training(cfg: TuneConfig, vocab_size: int, device: str, dtype: torch.dtype, max_steps: int,
                    verbose: bool = True):
-    """(model, optimizer, scheduler, `train_step` options) for a config: everything a step needs.
+    """(model, optimizer, scheduler, `train_step` options) for a config: everything a step needs. The options
+    hold the `step_module` to call: the model and its loss, wrapped by DDP or FSDP2 under torchrun.
     Benchmarks pass a huge `max_steps`, so the learning rate never decays while they time."""
     model = build_training_model(cfg, vocab_size, device, dtype, verbose=verbose)
+    options = step_options(cfg, device, dtype)
+    # The one place parallelism is applied (a no-op in a single process); the optimizer comes after, since
+    # FSDP2 replaces the parameters with sharded ones.
+    parallel = distributed.choose_parallel(cfg.parallel, cfg.method)
+    options["step_module"] = distributed.parallelize(StepModule(model, cfg.loss, options["autocast_dtype"]), model,
+                                                     parallel, device, dtype)
+    if verbose and distributed.launched():
+        print(f"parallel: {parallel} over {distributed.world_size()} processes")
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, device, cfg.optimizer)
     scheduler = build_scheduler(optimizer, cfg.warmup_steps, max_steps, cfg.min_lr_ratio)
-    return model, optimizer, scheduler, step_options(cfg, device, dtype)
+    return model, optimizer, scheduler, options
 
 
 def build_optimizer(model, lr: float, weight_decay: float, device: str, name: str = "adamw") -> torch.optim.Optimizer:
@@ -218,44 +227,76 @@ def count_targets(micro_batches: list[dict]) -> int:
     return sum(int((b["labels"][:, 1:] != data.IGNORE).sum()) for b in micro_batches)
 
 
-def micro_step(model, batch: dict, n_targets: int, autocast_dtype: torch.dtype | None,
-               loss: str = "plain") -> torch.Tensor:
-    """Forward and backward on one micro-batch; returns its share of the step loss (detached).
+class StepModule(torch.nn.Module):
+    """The model and its loss as one module: `forward(input_ids, labels, position_ids, scale)` returns the
+    micro-batch's summed token loss times `scale`. DDP and FSDP2 wrap this module (`distributed.parallelize`),
+    so every call goes through their hooks: the chunked loss calls the decoder and the LM head separately,
+    which would go around the hooks of a wrapped language model.
 
     Labels are shifted rather than logits sliced, which would copy the largest tensor of the step.
     `loss="chunked"` computes the LM head and the loss together, never holding the logits (tunekit/loss.py)."""
-    device_type = batch["input_ids"].device.type
-    labels = F.pad(batch["labels"][:, 1:], (0, 1), value=data.IGNORE)
-    # position_ids restart at each packed sample: transformers then masks attention per sample.
-    inputs = {"input_ids": batch["input_ids"], "position_ids": batch.get("position_ids")}
-    with torch.autocast(device_type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
-        if loss == "chunked":
-            hidden, head = loss_fn.hidden_and_head(model, **inputs)
-        else:
-            logits = model(**inputs, use_cache=False).logits
-    if loss == "chunked":
-        dtype = autocast_dtype or hidden.dtype  # the head's matmul runs in the autocast dtype, as it would inside
-        head = head.to(hidden.device, dtype, non_blocking=True)  # (a head kept in CPU memory comes over here)
-        value = loss_fn.chunked_lm_loss(hidden.to(dtype), head, labels, 1.0 / n_targets)
-        del head
-    else:
-        value = F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.reshape(-1),
-                                ignore_index=data.IGNORE, reduction="sum") / n_targets
+
+    def __init__(self, model, loss: str = "plain", autocast_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.model, self.loss, self.autocast_dtype = model, loss, autocast_dtype
+
+    def forward(self, input_ids, labels, position_ids=None, scale: float = 1.0) -> torch.Tensor:
+        autocast_dtype = self.autocast_dtype
+        labels = F.pad(labels[:, 1:], (0, 1), value=data.IGNORE)
+        # position_ids restart at each packed sample: transformers then masks attention per sample.
+        inputs = {"input_ids": input_ids, "position_ids": position_ids}
+        with torch.autocast(input_ids.device.type, dtype=autocast_dtype or torch.float32,
+                            enabled=autocast_dtype is not None):
+            if self.loss == "chunked":
+                hidden, head = loss_fn.hidden_and_head(self.model, **inputs)
+            else:
+                logits = self.model(**inputs, use_cache=False).logits
+        if self.loss == "chunked":
+            dtype = autocast_dtype or hidden.dtype  # the head's matmul runs in the autocast dtype, as inside
+            head = head.to(hidden.device, dtype, non_blocking=True)  # (a head kept in CPU memory comes over)
+            return loss_fn.chunked_lm_loss(hidden.to(dtype), head, labels, scale)
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.reshape(-1),
+                               ignore_index=data.IGNORE, reduction="sum") * scale
+
+
+def micro_step(model, batch: dict, n_targets: int, autocast_dtype: torch.dtype | None,
+               loss: str = "plain", scale: float | None = None, step_module=None) -> torch.Tensor:
+    """Forward and backward on one micro-batch; returns its share of the step loss (detached): its summed
+    token loss times `scale` (default `1 / n_targets`). `step_module` (a `StepModule`, perhaps wrapped by
+    DDP or FSDP2) is what runs; by default one around `model`."""
+    module = step_module if step_module is not None else StepModule(model, loss, autocast_dtype)
+    value = module(batch["input_ids"], batch["labels"], batch.get("position_ids"),
+                   1.0 / n_targets if scale is None else scale)
     value.backward()
     return value.detach()
 
 
 def train_step(model, micro_batches: list[dict], optimizer, scheduler, max_grad_norm: float,
-               autocast_dtype: torch.dtype | None, loss: str = "plain", sdpa_backends=None) -> dict:
+               autocast_dtype: torch.dtype | None, loss: str = "plain", sdpa_backends=None,
+               step_module=None) -> dict:
     """One optimizer step over `micro_batches` (already on the device).
 
+    Distributed (`step_module` wrapped by DDP or FSDP2, see tunekit/distributed.py): the loss is divided by
+    the target tokens of the step on all ranks, counted before any backward, and multiplied by the world size
+    (the wrappers average gradients over ranks), so the gradients are those of one process on the global
+    batch; gradients are synchronised on the last micro-step only. The loss returned is the global one.
     `sdpa_backends` (from `attention.sdpa_backends`) holds for forward *and* backward: checkpointing
     recomputes attention in backward."""
-    n_targets = max(1, count_targets(micro_batches))
+    module = step_module if step_module is not None else StepModule(model, loss, autocast_dtype)
+    device = micro_batches[0]["input_ids"].device
+    world = distributed.world_size()
+    n_targets = max(1, distributed.all_reduce_sum(count_targets(micro_batches)))
+    value = torch.zeros((), device=device)
     with sdpa_context(sdpa_backends):
-        value = sum(micro_step(model, b, n_targets, autocast_dtype, loss) for b in micro_batches)
+        for i, b in enumerate(micro_batches):
+            with distributed.gradient_sync(module, enabled=i == len(micro_batches) - 1):
+                value += micro_step(model, b, n_targets, None, scale=world / n_targets, step_module=module)
+    if world > 1:
+        value = distributed.all_reduce_sum(value) / world
     params = [p for g in optimizer.param_groups for p in g["params"]]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2: the norm of sharded gradients is a DTensor
+        grad_norm = grad_norm.full_tensor()
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
@@ -277,6 +318,7 @@ def batches_from(ds, cfg: TuneConfig, pad_id: int, epoch: int, start_batch: int)
 
     One DataLoader serves every epoch (its sampler moves on), so persistent workers really persist."""
     loader = data.build_dataloader(ds, cfg.batch_size, pad_id, cfg.seed, epoch, start_batch, cfg.num_workers,
+                                   rank=distributed.rank(), world=distributed.world_size(),
                                    pin_memory=cfg.pin_memory and torch.cuda.is_available(),
                                    prefetch_factor=cfg.prefetch_factor, persistent_workers=cfg.persistent_workers,
                                    group_by_length=cfg.packing == "group",
@@ -384,12 +426,15 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
     if resume and overwrite:
         raise ValueError("--resume continues the run in the folder and --overwrite replaces it: pick one.")
     device, dtype = resolve_runtime(cfg)
+    distributed.init(device)  # under torchrun: the process group, this rank's GPU (else nothing)
+    main = distributed.is_main()  # rank 0 alone prints and writes the run's files
     resolved = resolved_config(cfg, device, dtype)
     run_dir = cfg.run_dir()
-    say = print if progress else (lambda *a, **k: None)
+    say = print if progress and main else (lambda *a, **k: None)
     state = {"started": False, "signal": None, "step": 0, "checkpoint": None}  # shared with the signal handler
     with _removed_if_left_empty(run_dir), stop_requests(state):
-        ckpt, changes = checkpoint.open_run(run_dir, resolved, resume, overwrite, allow_config_change, say)
+        ckpt, changes = checkpoint.open_run(run_dir, resolved, resume, overwrite, allow_config_change, say,
+                                            clean=main)
         step = checkpoint.checkpoint_step(ckpt) if ckpt else 0
         planned = cfg.max_steps
         if cfg.epochs and ckpt is not None:  # the data decides the length: known here only if epochs is as saved
@@ -401,7 +446,8 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
             stats = json.loads(done.read_text()).get("data") if done.exists() else None
             return {"steps": step, "losses": [], "final_loss": None, "data": stats, "run_dir": str(run_dir)}
 
-        tokenizer, ds, stats = prepare(cfg, verbose=progress)
+        # Rank 0 tokenizes into the run folder; the others then read what it wrote.
+        tokenizer, ds, stats = distributed.main_first(lambda: prepare(cfg, verbose=progress and main))
         say(data.preview(ds, tokenizer, stats))  # one sample as the model sees it, the masked part marked
         if len(ds) < cfg.batch_size:
             what = "packed rows" if stats["packing"] == "pack" else "samples"
@@ -410,7 +456,7 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
         resolved = resolved_config(cfg, device, dtype)
         torch.manual_seed(cfg.seed)
         model, optimizer, scheduler, options = build_training(cfg, len(tokenizer), device, dtype, cfg.max_steps,
-                                                              progress)
+                                                              progress and main)
         epoch, start_batch = 0, 0
         if ckpt is not None:
             saved = checkpoint.load_checkpoint(ckpt, model, optimizer, scheduler, verify=False)  # open_run did
@@ -423,16 +469,17 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
 
         # The run has started: only now are its files written (a failed start leaves the folder as it was).
         state.update(started=True, step=step, checkpoint=ckpt)  # a signal from here on stops at a step's end
-        if overwrite and (removed := checkpoint.remove_run(run_dir)):
+        if main and overwrite and (removed := checkpoint.remove_run(run_dir)):
             say(f"overwrite: removed the earlier run's {', '.join(removed)} from {run_dir}")
-        if ckpt is not None:  # checkpoints newer than it failed to verify: their steps are done again
+        if main and ckpt is not None:  # checkpoints newer than it failed to verify: their steps are done again
             found = checkpoint.checkpoints(run_dir)
             for later in found[found.index(ckpt) + 1:]:
                 shutil.rmtree(later, ignore_errors=True)
         metrics_file = run_dir / "metrics.jsonl"
         rows = [r for r in _read_metrics(metrics_file) if r["step"] <= step] if ckpt else []  # drop later steps
-        checkpoint.atomic_write_text(metrics_file, "".join(_json_line(r) for r in rows))
-        save_config(resolved, run_dir / "config.json")
+        if main:
+            checkpoint.atomic_write_text(metrics_file, "".join(_json_line(r) for r in rows))
+            save_config(resolved, run_dir / "config.json")
         last_finite = next(((r["step"], r["loss"]) for r in reversed(rows) if r["loss"] is not None), None)
 
         stream = batches_from(ds, cfg, tokenizer.pad_token_id, epoch, start_batch)
@@ -443,16 +490,21 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
         # Samples and real tokens trained on so far, counting the run this one resumes.
         seen = {k: saved["data"].get(k, 0) if ckpt else 0 for k in ("samples", "tokens")}
         position = {"epoch": epoch, "next_batch": start_batch, **seen}  # of the last finished step
-        with open(metrics_file, "a") as mf:
+        with open(metrics_file, "a") if main else contextlib.nullcontext() as mf:
             while step < cfg.max_steps and state["signal"] is None:
-                micro = []
+                micro, counts = [], [0, 0]  # this rank's samples and real tokens (counted on the host)
                 for _ in range(cfg.grad_accum):
                     epoch, index, batch = next(stream)
-                    seen["samples"] += batching.count_samples(batch)
-                    real = int(batch.pop("attention_mask").sum())  # real tokens, counted on the host
-                    tokens_since, seen["tokens"] = tokens_since + real, seen["tokens"] + real
+                    counts[0] += batching.count_samples(batch)
+                    counts[1] += int(batch.pop("attention_mask").sum())
                     micro.append(to_device(batch, device))
                 out = train_step(model, micro, optimizer, scheduler, cfg.max_grad_norm, **options)
+                if distributed.world_size() > 1:  # every rank's counts, and whether any was asked to stop
+                    *counts, stop = distributed.all_reduce_sum(torch.tensor([*counts, state["signal"] or 0])).tolist()
+                    if stop and state["signal"] is None:  # another rank was: all stop after this step
+                        state["signal"] = signal.SIGTERM
+                seen["samples"], seen["tokens"] = seen["samples"] + int(counts[0]), seen["tokens"] + int(counts[1])
+                tokens_since += int(counts[1])
                 step += 1
                 position = {"epoch": epoch, "next_batch": index + 1, **seen}
                 loss, grad_norm = out["loss"].item(), float(out["grad_norm"])
@@ -464,8 +516,9 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
                     row = {"step": step, "loss": round(loss, 6), "lr": scheduler.get_last_lr()[0],
                            "grad_norm": round(grad_norm, 6), "epoch": epoch, **seen,
                            "tok_per_s": round(tokens_since / (now - t_last), 1), "peak_mem_gb": round(alloc, 3)}
-                    mf.write(_json_line(row))
-                    mf.flush()
+                    if mf is not None:
+                        mf.write(_json_line(row))
+                        mf.flush()
                     if bar is not None:
                         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tok_per_s']:.0f}", mem=f"{alloc:.1f}G")
                     else:
@@ -510,8 +563,12 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
         if step >= cfg.max_steps:  # (a signal now changes nothing: the run is finishing)
             checkpoint.save_checkpoint(run_dir, step, model, optimizer, scheduler, position, cfg.keep_checkpoints)
             # LoRA: the PEFT adapter folder; full fine-tuning: the whole model, loadable with from_pretrained.
-            mdl.save_adapter(model, run_dir / ("adapter" if cfg.method != "full" else "model"))
-            checkpoint.atomic_write_json(run_dir / "summary.json", {k: v for k, v in summary.items() if k != "losses"})
+            weights = distributed.full_state(model)[0] if distributed.is_sharded(model) else None  # all ranks
+            if main:
+                mdl.save_adapter(model, run_dir / ("adapter" if cfg.method != "full" else "model"), weights)
+                checkpoint.atomic_write_json(run_dir / "summary.json",
+                                             {k: v for k, v in summary.items() if k != "losses"})
+            distributed.barrier()
         return summary
 
 

@@ -1,0 +1,125 @@
+"""Several processes (gloo on the CPU, 2 ranks under torchrun): DDP and FSDP2 train exactly as one process on
+the same global batch, with accumulation over micro-batches of unequal token counts; a sharded run saves and
+resumes exactly; each rank reads its own share of every batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import SMALL_ARCH
+
+from tunekit import batching, config, distributed, train
+from tunekit.config import REPO_ROOT
+
+WORKER = REPO_ROOT / "tests" / "dist_worker.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(spec: dict, tmp_path, nproc: int = 2, extra: tuple = ()) -> subprocess.CompletedProcess:
+    path = tmp_path / f"spec{free_port()}.json"
+    path.write_text(json.dumps(spec))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+           "127.0.0.1", "--master_port", str(free_port()), *extra, str(WORKER), str(path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT / "tests")}
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def rows(cfg) -> list[dict]:
+    return train.read_metrics(cfg.run_dir())
+
+
+@pytest.fixture
+def make(tmp_path, small_data):
+    def make(name: str, **overrides) -> config.TuneConfig:
+        kw = dict(out_dir=str(tmp_path / name), data=str(small_data), max_steps=4, batch_size=2, max_length=128,
+                  warmup_steps=2, lr=3e-3, **SMALL_ARCH)
+        return config.tiny(**{**kw, **overrides})
+    return make
+
+
+def assert_same_run(got, want, rel=1e-5):
+    a, b = rows(got), rows(want)
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    assert [r["samples"] for r in a] == [r["samples"] for r in b] and [r["tokens"] for r in a] == [r["tokens"] for r in b]
+    assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=rel)
+    assert [r["grad_norm"] for r in a] == pytest.approx([r["grad_norm"] for r in b], rel=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize("packing", ["pack", "pad"])
+def test_two_ranks_train_as_one_process_on_the_global_batch(make, tmp_path, parallel, packing):
+    """2 ranks x micro-batch 2 x accumulation 2 against 1 process x micro-batch 4 x accumulation 2. Padded
+    batches give each rank and micro-batch its own target count: the loss is normalised by the step's total
+    over all ranks, so the runs still agree."""
+    two = make(f"{parallel}-{packing}", parallel=parallel, packing=packing, grad_accum=2)
+    torchrun({"config": config.config_dict(two)}, tmp_path)
+    one = make(f"one-{packing}", packing=packing, grad_accum=2, batch_size=4)
+    train.train(one, progress=False)
+    assert_same_run(two, one)
+    assert json.loads((two.run_dir() / "config.json").read_text())["parallel"] == parallel
+    # The adapter rank 0 wrote (gathered from shards under FSDP2) is the one-process adapter, to 1e-5: the
+    # gradients sum in another order (per rank, then across ranks), and 4 AdamW steps carry the difference.
+    from safetensors.torch import load_file
+
+    got, want = (load_file(c.run_dir() / "adapter" / "adapter_model.safetensors") for c in (two, one))
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_sharded_run_resumes_exactly(make, tmp_path):
+    """FSDP2: checkpoints gathered to rank 0 at step 2; the run stops at step 3 (as a kill would), resumes
+    from step 2, and its loss curve is that of the uninterrupted run."""
+    killed = make("killed", parallel="fsdp", max_steps=6, save_every=2)
+    torchrun({"config": config.config_dict(killed), "stop_after": 3}, tmp_path)
+    assert [r["step"] for r in rows(killed)] == [1, 2, 3]
+    torchrun({"config": config.config_dict(killed), "resume": True}, tmp_path)
+    clean = make("clean", max_steps=6, batch_size=4)
+    train.train(clean, progress=False)
+    assert_same_run(killed, clean)
+
+
+def test_each_rank_reads_its_share_of_every_global_batch():
+    for sampler in ("plain", "grouped"):
+        def make(rank, world, bs, start=0):
+            if sampler == "plain":
+                return batching.EpochSampler(103, seed=3, epoch=1, start=start, rank=rank, world=world)
+            lengths = list(range(103))
+            return batching.LengthGroupedSampler(lengths, bs, seed=3, epoch=1, start=start, rank=rank, world=world)
+
+        one = list(make(0, 1, 8))
+        shares = [list(make(r, 2, 4)) for r in range(2)]
+        assert len(shares[0]) == len(shares[1]) == 51
+        assert not set(shares[0]) & set(shares[1])
+        for i in range(51 // 4):  # batch i of every rank = batch i of one process with twice the batch
+            assert sorted(shares[0][4 * i:4 * i + 4] + shares[1][4 * i:4 * i + 4]) == sorted(one[8 * i:8 * i + 8])
+        assert list(make(1, 2, 4, start=8)) == shares[1][8:]  # a resumed rank starts where it stopped
+
+
+def test_auto_parallel_is_fsdp_for_full_and_ddp_for_adapters():
+    assert distributed.choose_parallel("auto", "full") == "fsdp"
+    assert distributed.choose_parallel("auto", "lora") == distributed.choose_parallel("auto", "qlora") == "ddp"
+    assert distributed.choose_parallel("ddp", "full") == "ddp"
+    with pytest.raises(config.ConfigError, match="parallel"):
+        config.tiny(parallel="zero3")
+
+
+def test_one_process_needs_no_process_group():
+    assert distributed.world_size() == 1 and distributed.rank() == 0 and distributed.is_main()
+    assert distributed.all_reduce_sum(5) == 5
+    assert distributed.main_first(lambda: "ran") == "ran"

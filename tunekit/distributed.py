@@ -1,0 +1,222 @@
+"""Several GPUs, with PyTorch's own engine: torchrun starts one process per GPU, NCCL (gloo on CPU) moves the
+tensors, DDP or FSDP2 wraps the model. Nothing here is home-made parallelism.
+
+A run is distributed when it is launched that way: `torchrun --nproc_per_node 2 -m tunekit.cli train ...`
+(or `accelerate launch`, which sets the same variables). `init` reads RANK, WORLD_SIZE and LOCAL_RANK from
+the environment, starts the process group and pins each process to its GPU; without them everything below
+is a no-op, so one code path serves one GPU and many.
+
+`parallelize` is the one place where a model becomes parallel, in a fixed order (as torchtitan's
+`parallelize` does): the model code stays single-device, and `train.build_training` calls this once.
+
+- **DDP** (`parallel=ddp`): every rank holds the whole model; gradients are all-reduced in buckets while
+  backward runs. Right when the model, its gradients and optimizer state fit one GPU — LoRA and QLoRA 7B.
+- **FSDP2** (`parallel=fsdp`, `torch.distributed.fsdp.fully_shard`): each decoder block, then the root, is
+  sharded across ranks; a block's weights are all-gathered just before it runs and freed after, gradients are
+  reduce-scattered. bf16 compute with fp32 gradient reduction (`MixedPrecisionPolicy`), no CPU offload.
+  Right when the model does not fit one GPU with its optimizer state — full fine-tuning 7B.
+
+What the loop does differently under either (tunekit/train.py):
+- The loss is divided by the target tokens of the whole step on *all* ranks (`all_reduce_sum`, once per
+  step, before any backward). DDP and FSDP average gradients over ranks, so each rank's loss is also
+  multiplied by the world size: the gradients are then those of one process on the global batch, whatever
+  each rank's token count. (`loss / grad_accum`, the usual recipe, is wrong when micro-batches differ.)
+- Gradients are synchronised on the last micro-step only (`no_sync` for DDP, `set_requires_gradient_sync`
+  for FSDP2): accumulating 4 micro-batches costs one all-reduce, not 4.
+- Each rank reads its own disjoint share of every global batch (`batching.EpochSampler(rank=, world=)`),
+  so packing, length grouping and `--resume` stay exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from tunekit.config import PARALLEL
+
+
+def world_size() -> int:
+    """Processes in the running process group (1 before `init` or without one)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def print0(*args, **kwargs) -> None:
+    """print, on rank 0 only."""
+    if is_main():
+        print(*args, **kwargs)
+
+
+def launched() -> bool:
+    """Whether torchrun (or accelerate launch) started this process as one of several."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def init(device: str, timeout_s: float = 600) -> None:
+    """Start the process group for a launched run, and make GPU LOCAL_RANK this process's `cuda` device. A
+    no-op when the process was not launched as one of several. `timeout_s` bounds how long a collective waits
+    for a rank that died: the others then fail with an error instead of hanging."""
+    if not launched():
+        return
+    if not dist.is_initialized():
+        backend = "nccl" if device == "cuda" else "gloo"
+        if device == "cuda":
+            if local_rank() >= torch.cuda.device_count():
+                raise RuntimeError(f"LOCAL_RANK {local_rank()} but only {torch.cuda.device_count()} GPUs are "
+                                   "visible: launch at most that many processes per node (--nproc_per_node)")
+            torch.cuda.set_device(local_rank())
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=torch.device("cuda", local_rank()) if device == "cuda" else None)
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(value: int | float | torch.Tensor):
+    """The sum of `value` over all ranks (itself when not distributed); returns the type it was given. A
+    tensor stays on its device (NCCL reduces GPU tensors, gloo CPU ones)."""
+    if not dist.is_initialized():
+        return value
+    nccl = dist.get_backend() == "nccl"
+    if torch.is_tensor(value):
+        t = value.detach().clone() if (value.is_cuda == nccl) else value.detach().to("cuda" if nccl else "cpu")
+        dist.all_reduce(t)
+        return t.to(value.device)
+    t = torch.tensor(value, dtype=torch.float64, device="cuda" if nccl else "cpu")
+    dist.all_reduce(t)
+    return type(value)(t.item())
+
+
+def main_first(fn):
+    """`fn()` on rank 0, then on the other ranks: for work whose result rank 0 writes and the others read
+    (the prepared data). An error on rank 0 stops the other ranks with an error, not a hang."""
+    if not dist.is_initialized():
+        return fn()
+    failure, out = None, None
+    if is_main():
+        try:
+            out = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after telling the other ranks
+            failure = e
+    failed = all_reduce_sum(0 if failure is None else 1)  # every rank waits here for rank 0
+    if failure is not None:
+        raise failure
+    if failed:
+        raise RuntimeError("rank 0 failed (its error is above); this rank stops too")
+    return out if is_main() else fn()
+
+
+def choose_parallel(requested: str, method: str) -> str:
+    """`auto`: FSDP2 for full fine-tuning (weights, gradients and AdamW states of every parameter: the memory
+    that sharding divides), DDP for LoRA and QLoRA (the frozen base fits one GPU; only the adapters' small
+    gradients travel)."""
+    if requested != "auto":
+        return requested
+    return "fsdp" if method == "full" else "ddp"
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    from tunekit.model import base_model
+
+    base = base_model(model)
+    layers = getattr(getattr(base, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(base).__name__} has no model.layers: FSDP2 wraps each decoder block")
+    return list(layers)
+
+
+def parallelize(step_module: torch.nn.Module, model, parallel: str, device: str, dtype: torch.dtype):
+    """Wrap `step_module` (the model and its loss, `train.StepModule`) for the launched world: the one place
+    where parallelism is applied. Checkpointing is applied before (in the model), compilation will go here
+    before the wrap. Returns `step_module` itself when not distributed."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return step_module
+    if parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ids = [torch.cuda.current_device()] if device == "cuda" else None
+        return DDP(step_module, device_ids=ids)
+    if parallel == "fsdp":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 \
+            else MixedPrecisionPolicy()
+        for layer in decoder_layers(model):
+            fully_shard(layer, mp_policy=mp)
+        fully_shard(step_module, mp_policy=mp)  # the root: embeddings, final norm, LM head, the loss
+        return step_module
+    raise ValueError(f"unknown parallel {parallel!r}; choose one of {', '.join(PARALLEL)}")
+
+
+@contextlib.contextmanager
+def gradient_sync(module, enabled: bool):
+    """Inside, backward passes synchronise gradients across ranks only if `enabled` (the last micro-step of
+    an optimizer step): `no_sync` for DDP, `set_requires_gradient_sync` for FSDP2; nothing otherwise."""
+    if enabled or not dist.is_initialized():
+        yield
+        return
+    if hasattr(module, "no_sync"):  # DDP
+        with module.no_sync():
+            yield
+        return
+    if hasattr(module, "set_requires_gradient_sync"):  # FSDP2
+        module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            module.set_requires_gradient_sync(True)
+        return
+    yield
+
+
+def is_sharded(model) -> bool:
+    """Whether FSDP2 sharded `model`'s parameters (they are then DTensors, each rank holding a slice)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def full_state(model, optimizer=None) -> tuple[dict, dict | None]:
+    """(the trainable weights, the optimizer state) as whole CPU tensors keyed by parameter name, on rank 0
+    (the other ranks get empty dicts). Sharded (FSDP2) ones are gathered: a collective, every rank must call
+    it. For the checkpoint and the adapter, which rank 0 then writes alone."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(model, options=options)
+    trainable = {n: weights[n] for n, p in model.named_parameters() if p.requires_grad and n in weights}  # rank 0
+    optim = get_optimizer_state_dict(model, optimizer, options=options) if optimizer is not None else None
+    return trainable, optim
+
+
+def load_full_state(model, optimizer, trainable: dict, optim: dict) -> None:
+    """Put whole-tensor weights and optimizer state (as `full_state` returns them, read on every rank) into a
+    sharded model and its optimizer: each rank keeps its own slice."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    set_model_state_dict(model, trainable, options=StateDictOptions(full_state_dict=True, strict=False))
+    set_optimizer_state_dict(model, optimizer, optim, options=StateDictOptions(full_state_dict=True))
