@@ -218,6 +218,10 @@ def format_table(results: list[dict]) -> str:
             parts.append(f"accum {c['grad_accum']}")
         if c.get("grad_ckpt"):
             parts.append("ckpt")
+        if r.get("world_size", 1) > 1:
+            from tunekit.distributed import choose_parallel
+
+            parts.append(f"{choose_parallel(c.get('parallel', 'auto'), c.get('method', 'lora'))} x{r['world_size']}")
         return ", ".join(parts)
 
     def spread(r: dict) -> str:
