@@ -123,3 +123,55 @@ def test_one_process_needs_no_process_group():
     assert distributed.world_size() == 1 and distributed.rank() == 0 and distributed.is_main()
     assert distributed.all_reduce_sum(5) == 5
     assert distributed.main_first(lambda: "ran") == "ran"
+
+
+def test_the_doctor_reads_infiniband_and_interfaces_from_sysfs(tmp_path):
+    from tunekit import doctor
+
+    ib, net = tmp_path / "infiniband", tmp_path / "net"
+    (ib / "mlx5_0" / "ports" / "1").mkdir(parents=True)
+    (ib / "mlx5_0" / "ports" / "1" / "state").write_text("4: ACTIVE\n")
+    for name, state in (("eth0", "up"), ("ib0", "up"), ("lo", "unknown")):
+        (net / name).mkdir(parents=True)
+        (net / name / "operstate").write_text(state + "\n")
+    assert doctor.infiniband_devices(str(ib)) == ["mlx5_0 port 1: ACTIVE"]
+    assert doctor.network_interfaces(str(net)) == {"eth0": "up", "ib0": "up", "lo": "unknown"}
+    rows = dict(doctor.distributed_report({"NCCL_IB_DISABLE": "1", "NCCL_SOCKET_IFNAME": "en"}, str(ib), str(net)))
+    assert "InfiniBand port is ACTIVE" in rows["NCCL_IB_DISABLE"] and "Unset it" in rows["NCCL_IB_DISABLE"]
+    assert "matches none" in rows["NCCL_SOCKET_IFNAME"] and "e.g. eth0" in rows["NCCL_SOCKET_IFNAME"]
+    interfaces = doctor.network_interfaces(str(net))
+    assert doctor.check_socket_ifname("eth", interfaces) is None  # a prefix, as NCCL reads it
+    assert doctor.check_socket_ifname("=eth", interfaces) is not None  # `=`: exact names only
+    assert doctor.check_socket_ifname("^docker,lo", interfaces) is None  # exclusions are not checked
+    empty = dict(doctor.distributed_report({}, str(tmp_path / "none"), str(net)))
+    assert empty["InfiniBand"].startswith("none")
+
+
+@pytest.mark.slow
+def test_an_interface_that_does_not_exist_is_refused_at_start(tmp_path, make):
+    cfg = make("badnet")
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"config": config.config_dict(cfg)}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), str(WORKER), str(spec)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "nope0"}
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode != 0
+    assert "GLOO_SOCKET_IFNAME=nope0 matches none of this machine's interfaces" in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_stops_the_others_with_an_error(tmp_path, make):
+    """Rank 1 exits at its first step; rank 0, waiting in the step's all-reduce, fails within seconds
+    (gloo sees the closed connection) instead of hanging until the timeout."""
+    import time
+
+    cfg = make("dies", max_steps=50)
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"config": config.config_dict(cfg), "die_on_rank": 1}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), str(WORKER), str(spec)]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0 and time.monotonic() - t0 < 120

@@ -930,3 +930,15 @@ def test_epochs_set_the_run_length_and_a_resume_counts_on(make_cfg, monkeypatch,
     monkeypatch.setattr(train, "prepare", must_not_run)
     assert train.train(cfg, resume=True)["steps"] == steps
     assert "nothing to do" in capsys.readouterr().out
+
+
+def test_accumulation_check_shows_the_mean_of_means_is_off(samples, tokenizer):
+    """Micro-batches of unequal target counts: normalising by the step's total matches one big batch to fp32
+    precision; the article's loss / grad_accum does not (claim C12)."""
+    chosen = eight_of_varied_length(samples)
+    collate = data.Collator(tokenizer.pad_token_id)
+    micro = [{k: v for k, v in collate(chosen[i:i + 4]).items() if k != "attention_mask"} for i in (0, 4)]
+    model = tiny_model(len(tokenizer), "lora")
+    out = train.accumulation_check(model, micro)
+    assert out["targets_per_micro_batch"][0] != out["targets_per_micro_batch"][1]
+    assert out["exact"] < 1e-5 < 1e-2 < out["mean_of_means"], out

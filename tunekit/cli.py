@@ -95,7 +95,15 @@ def make_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("prepare", help="tokenize the training data offline into <out-dir>/prepared", **common)
     p.add_argument("--preset", default="tiny", help=f"one of {', '.join(PRESETS)} (default tiny)")
     p.add_argument("--num-proc", type=int, default=None, help="tokenizer processes for datasets.map")
-    sub.add_parser("doctor", help="what this machine has: GPU, bf16, optional packages", allow_abbrev=False)
+    p = sub.add_parser("commbench", help="all-reduce bandwidth between the processes of a torchrun launch",
+                       description="Under torchrun: time all_reduce at several sizes; write a result JSON with the "
+                       "NCCL variables it ran under.", allow_abbrev=False)
+    p.add_argument("--name", default="commbench", help="result name (default commbench)")
+    p.add_argument("--out", default="runs/bench", help="a .json file or a folder (default runs/bench)")
+    p.add_argument("--sizes-mb", default="1,16,64,256", help="message sizes, comma-separated MB")
+    p = sub.add_parser("doctor", help="what this machine has: GPU, bf16, optional packages", allow_abbrev=False)
+    p.add_argument("--distributed", action="store_true", help="the network NCCL will use: InfiniBand, "
+                   "interfaces, GPU peer access, NCCL variables, with what to set and why")
     p = sub.add_parser("results", help="print a markdown table of the step-benchmark result files",
                        allow_abbrev=False)
     p.add_argument("paths", nargs="*", help="result files or folders (default notebooks/results)")
@@ -136,14 +144,14 @@ def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = make_parser()
     args, rest = parser.parse_known_args(argv)
-    takes_fields = args.command not in ("doctor", "results")
+    takes_fields = args.command not in ("doctor", "results", "commbench")
     if msg := unknown_arguments(parser.commands[args.command], rest, takes_fields):
         print(f"tunekit {args.command}: error: {msg}", file=sys.stderr)
         return 2
     if args.command == "doctor":
-        from tunekit.doctor import main as doctor
+        from tunekit import doctor
 
-        return doctor()
+        return doctor.main_distributed() if args.distributed else doctor.main()
     if args.command == "results":
         from tunekit import claims, results
 
@@ -161,6 +169,21 @@ def _main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "train":
         return _train(args, rest, argv)
+    if args.command == "commbench":
+        from tunekit import distributed
+        from tunekit.results import save_result
+
+        try:
+            result = distributed.run_commbench(args.name, tuple(float(x) for x in args.sizes_mb.split(",")))
+        except (ValueError, RuntimeError) as e:
+            print(f"tunekit commbench: error: {e}", file=sys.stderr)
+            return 2
+        if result is not None:
+            for r in result["rows"]:
+                print(f"{r['mb']:>6g} MB  {1e3 * r['seconds']:8.3f} ms  algbw {r['algbw_gbps']:7.2f} GB/s  "
+                      f"busbw {r['busbw_gbps']:7.2f} GB/s")
+            print(f"result -> {save_result(result, args.out)}")
+        return 0
     try:
         cfg = resolve(args.preset, rest)
         if args.command == "bench":

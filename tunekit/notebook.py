@@ -85,6 +85,66 @@ def run(*args: str, check: bool = True) -> int:
     return code
 
 
+def torchrun(nproc: int, *args: str, env: dict | None = None, check: bool = True) -> int:
+    """Launch `tunekit ARGS...` on `nproc` processes with torchrun (one per GPU, or gloo processes on a CPU),
+    streaming rank 0's output; `env` adds variables (NCCL's, say) for this launch only. A notebook never
+    starts a process group in its own kernel: each launch is a fresh set of processes."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    extra = " ".join(f"{k}={v}" for k, v in (env or {}).items())
+    print(f"$ {extra + ' ' if extra else ''}torchrun --nproc_per_node {nproc} -m tunekit.cli "
+          + " ".join(map(str, args)), flush=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+           "127.0.0.1", "--master_port", str(port), "-m", "tunekit.cli", *map(str, args)]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1",
+                "LOGLEVEL": "ERROR", **(env or {})}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env)
+    last, held = None, []  # `held`: a traceback, printed at the end unless it is only the launcher's report
+    for line in proc.stdout:
+        if line.startswith(("W1", "E1", "I1", "[W", "*****", "Setting OMP_NUM_THREADS")) or line == last:
+            continue  # the launcher's chatter, and the same line from a second rank
+        if held or line.startswith("Traceback (most recent call last)"):
+            held.append(line)
+        else:
+            print(line, end="")
+        last = line
+    code = proc.wait()
+    if held and any("ChildFailedError" in h for h in held) and not any("[rank" in h for h in held):
+        print(f"torchrun: a process failed (exit code {code}); its error is above")
+    else:
+        print("".join(held), end="")
+    if check and code != 0:
+        raise RuntimeError(f"torchrun ... tunekit {' '.join(map(str, args))} failed with exit code {code}")
+    return code
+
+
+def measure(name: str, nproc: int, *args, env: dict | None = None) -> None:
+    """Run `tunekit ARGS... --name NAME --out <results>` on `nproc` processes (1: a plain child process), unless
+    on a GPU the published result NAME exists: then say where it came from and read it as it is.
+    TUNEKIT_REMEASURE=1 measures again."""
+    out = results_dir()
+    path = out / f"{name}.json"
+    if on_gpu() and path.exists() and os.environ.get("TUNEKIT_REMEASURE", "") in ("", "0"):
+        import json
+
+        r = json.loads(path.read_text())
+        print(f"{name}: the published result of {r['date'][:16]}, commit {str(r['commit'])[:7]}, made by "
+              f"`{r['entry'].split(': ')[-1]}` (TUNEKIT_REMEASURE=1 measures it again)")
+        return
+    args = (*args, "--name", name, "--out", out)
+    if nproc == 1:
+        run(*args)
+    else:
+        torchrun(nproc, *args, env=env)
+
+
+def gpu_count() -> int:
+    return torch.cuda.device_count() if on_gpu() else 0
+
+
 def execute(path: str | Path, timeout: int = 1800) -> Path:
     """Execute a notebook in place with nbclient (the way the committed GPU outputs are produced):
     `python -m tunekit.notebook notebooks/00_quickstart.ipynb`. Written atomically, only if every cell ran."""

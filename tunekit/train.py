@@ -303,6 +303,37 @@ def train_step(model, micro_batches: list[dict], optimizer, scheduler, max_grad_
     return {"loss": value, "grad_norm": grad_norm, "targets": n_targets}
 
 
+def accumulation_check(model, micro_batches: list[dict]) -> dict:
+    """How far from one big batch the gradients of gradient accumulation land, two ways (claim C12):
+    `exact` divides the summed token losses by the target tokens of the whole step (`train_step`);
+    `mean_of_means` takes each micro-batch's mean loss divided by the number of micro-batches (the article's
+    `loss / gradient_accumulation_steps`). Each is compared with the gradient of all the micro-batches as one
+    batch: the relative L2 distance over the trainable parameters. Unpacked, right-padded batches; the
+    model's gradients are left zeroed."""
+    def grads_of(batches, scales) -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        for b, scale in zip(batches, scales):
+            micro_step(model, b, 1, None, scale=scale)
+        flat = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        model.zero_grad(set_to_none=True)
+        return flat
+
+    if any("position_ids" in b for b in micro_batches):
+        raise ValueError("accumulation_check takes unpacked batches (without position_ids)")
+    counts = [count_targets([b]) for b in micro_batches]
+    width = max(b["input_ids"].shape[1] for b in micro_batches)
+    big = {k: torch.cat([F.pad(b[k], (0, width - b[k].shape[1]), value=0 if k == "input_ids" else data.IGNORE)
+                         for b in micro_batches]) for k in ("input_ids", "labels")}
+    reference = grads_of([big], [1.0 / sum(counts)])
+    exact = grads_of(micro_batches, [1.0 / sum(counts)] * len(counts))
+    naive = grads_of(micro_batches, [1.0 / (c * len(counts)) for c in counts])
+
+    def distance(g):
+        return float((g - reference).norm() / reference.norm())
+
+    return {"targets_per_micro_batch": counts, "exact": distance(exact), "mean_of_means": distance(naive)}
+
+
 def step_options(cfg: TuneConfig, device: str, dtype: torch.dtype) -> dict:
     """The keyword arguments of `train_step` that a config decides."""
     return {"autocast_dtype": dtype if dtype != torch.float32 and device == "cuda" else None,
