@@ -175,3 +175,41 @@ def test_a_rank_that_dies_stops_the_others_with_an_error(tmp_path, make):
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode != 0 and time.monotonic() - t0 < 120
+
+
+@pytest.mark.slow
+def test_two_nodes_on_localhost_train_as_one_process(make, tmp_path):
+    """Two torchrun "nodes" of one process each (--nnodes 2, --node_rank 0 and 1, one master address): the
+    multi-node launch of the README, on one machine."""
+    two = make("nodes")
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"config": config.config_dict(two)}))
+    port, env = free_port(), {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(n),
+                               "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
+                               str(WORKER), str(spec)], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for n in (0, 1)]
+    logs = [p.communicate(timeout=600)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], "\n".join(log[-2000:] for log in logs)
+    one = make("one", batch_size=4)
+    train.train(one, progress=False)
+    assert_same_run(two, one)
+
+
+@pytest.mark.slow
+def test_accelerate_launch_with_the_shipped_config(make, tmp_path):
+    """`accelerate launch --config_file tunekit/launch/accelerate_ddp.yaml` starts the processes; tunekit does
+    the rest (on this CPU machine they use gloo)."""
+    pytest.importorskip("accelerate")
+    two = make("accelerate")
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"config": config.config_dict(two)}))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(REPO_ROOT / "tunekit" / "launch" / "accelerate_ddp.yaml"), "--num_processes", "2", "--main_process_port",
+           str(free_port()), str(WORKER), str(spec)]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    one = make("one", batch_size=4)
+    train.train(one, progress=False)
+    assert_same_run(two, one)
