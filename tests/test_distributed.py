@@ -83,11 +83,14 @@ def test_two_ranks_train_as_one_process_on_the_global_batch(make, tmp_path, para
 
 @pytest.mark.slow
 def test_a_sharded_run_resumes_exactly(make, tmp_path):
-    """FSDP2: checkpoints gathered to rank 0 at step 2; the run stops at step 3 (as a kill would), resumes
-    from step 2, and its loss curve is that of the uninterrupted run."""
+    """FSDP2: at step 2 every rank writes its shards (torch.distributed.checkpoint, nothing gathered); the run
+    stops at step 3 (as a kill would), resumes from step 2, and its loss curve is that of the uninterrupted
+    run."""
     killed = make("killed", parallel="fsdp", max_steps=6, save_every=2)
     torchrun({"config": config.config_dict(killed), "stop_after": 3}, tmp_path)
     assert [r["step"] for r in rows(killed)] == [1, 2, 3]
+    shards = sorted(p.name for p in (killed.run_dir() / "ckpt-0000002" / "sharded").iterdir())
+    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"], shards
     torchrun({"config": config.config_dict(killed), "resume": True}, tmp_path)
     clean = make("clean", max_steps=6, batch_size=4)
     train.train(clean, progress=False)

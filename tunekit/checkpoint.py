@@ -135,36 +135,61 @@ def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def save_checkpoint(run_dir: str | os.PathLike, step: int, model, optimizer, scheduler, data_state: dict,
                     keep: int = 2) -> Path:
-    """Write `run_dir/ckpt-<step>/` atomically and point `run_dir/latest` at it. Keeps the newest `keep`."""
+    """Write `run_dir/ckpt-<step>/` atomically and point `run_dir/latest` at it. Keeps the newest `keep`.
+
+    One process (or DDP, where every rank holds the same state): rank 0 writes `trainable.pt`, a PEFT
+    `adapter/` and `state.pt`. FSDP2: every rank writes its own shards of the trainable weights and the
+    optimizer state through `torch.distributed.checkpoint` into `sharded/` (nothing is gathered), and rank 0
+    adds `state.pt` (scheduler, RNG, data position). Either way the folder appears complete or not at all,
+    with every file's checksum in `meta.json`."""
     from tunekit import distributed
 
     run_dir = Path(run_dir)
     final = run_dir / f"ckpt-{step:07d}"
-    sharded = distributed.is_sharded(model)
-    if sharded:  # FSDP2: gathered whole, every rank taking part; rank 0 writes
-        trainable, optim = distributed.full_state(model, optimizer)
-    if not distributed.is_main():  # DDP: every rank holds the same state; rank 0 writes it
+    sharded, main = distributed.is_sharded(model), distributed.is_main()
+    if sharded:
+        tmp = final.with_name(f".{final.name}.sharded.tmp")  # one name every rank knows
+        if main:
+            _check_writable(run_dir)
+            _remove(tmp)
+            tmp.mkdir(parents=True)
         distributed.barrier()
-        return final
-    if not sharded:
-        trainable, optim = trainable_state_dict(model), optimizer.state_dict()
-    _check_writable(run_dir)
-    with atomic_output(final) as tmp:
-        tmp.mkdir()
-        torch.save(trainable, tmp / "trainable.pt")
-        if hasattr(model, "peft_config"):  # also a standard PEFT adapter folder, loadable with PeftModel
-            model.save_pretrained(tmp / "adapter", state_dict=trainable if sharded else None)
-        torch.save({"optimizer": optim, "scheduler": scheduler.state_dict(), "rng": rng_state(),
-                    "data": data_state, "step": step, "sharded": sharded}, tmp / "state.pt")
-        files = {str(f.relative_to(tmp)): {"sha256": _sha256(f), "bytes": f.stat().st_size}
-                 for f in sorted(tmp.rglob("*")) if f.is_file()}
-        (tmp / META).write_text(json.dumps({"step": step, "data": data_state, "files": files}, indent=1) + "\n")
-    atomic_write_text(run_dir / LATEST, final.name + "\n")
-    old = [p for p in checkpoints(run_dir) if p != final]
-    for p in old[: max(0, len(old) - (keep - 1))]:
-        shutil.rmtree(p, ignore_errors=True)
+        distributed.save_sharded(model, optimizer, tmp / "sharded")  # collective: each rank its own files
+        distributed.barrier()
+        if main:
+            try:
+                _finish_checkpoint(tmp, final, {"scheduler": scheduler.state_dict(), "rng": rng_state(),
+                                                "data": data_state, "step": step, "sharded": True}, step, data_state)
+            finally:
+                _remove(tmp)
+    elif main:
+        _check_writable(run_dir)
+        with atomic_output(final) as tmp:
+            tmp.mkdir()
+            torch.save(trainable_state_dict(model), tmp / "trainable.pt")
+            if hasattr(model, "peft_config"):  # also a standard PEFT adapter folder, loadable with PeftModel
+                model.save_pretrained(tmp / "adapter")
+            _finish_checkpoint(tmp, None, {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                                           "rng": rng_state(), "data": data_state, "step": step}, step, data_state)
+    if main:
+        atomic_write_text(run_dir / LATEST, final.name + "\n")
+        old = [p for p in checkpoints(run_dir) if p != final]
+        for p in old[: max(0, len(old) - (keep - 1))]:
+            shutil.rmtree(p, ignore_errors=True)
     distributed.barrier()  # the other ranks go on once the checkpoint is complete
     return final
+
+
+def _finish_checkpoint(tmp: Path, final: Path | None, state: dict, step: int, data_state: dict) -> None:
+    """Write `state.pt` and `meta.json` (every file's size and sha256) into `tmp`; rename it to `final` if
+    given (otherwise `atomic_output` does)."""
+    torch.save(state, tmp / "state.pt")
+    files = {str(f.relative_to(tmp)): {"sha256": _sha256(f), "bytes": f.stat().st_size}
+             for f in sorted(tmp.rglob("*")) if f.is_file()}
+    (tmp / META).write_text(json.dumps({"step": step, "data": data_state, "files": files}, indent=1) + "\n")
+    if final is not None:
+        _remove(final)
+        os.replace(tmp, final)
 
 
 def _sha256(path: Path) -> str:
@@ -243,6 +268,21 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer, scheduler, verify
     path = Path(path)
     if verify and (problem := verify_checkpoint(path)):
         raise CheckpointError(f"cannot load checkpoint: {problem}")
+    from tunekit import distributed
+
+    if (path / "sharded").is_dir() or distributed.is_sharded(model):
+        if not ((path / "sharded").is_dir() and distributed.is_sharded(model)):
+            kind = "a sharded (FSDP2)" if (path / "sharded").is_dir() else "a single-process or DDP"
+            raise CheckpointError(f"{path} was written by {kind} run; resume it the same way (--parallel and "
+                                  "the launch)")
+        try:
+            state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"cannot load checkpoint file {path / 'state.pt'}: {type(e).__name__}: {e}") from None
+        distributed.load_sharded(model, optimizer, path / "sharded")
+        scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        return {"step": state["step"], "data": state["data"]}
     loaded = {}
     for name, weights_only in (("trainable.pt", True), ("state.pt", False)):
         try:  # both files are read before anything changes, so a bad one leaves the model as it was
@@ -250,17 +290,6 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer, scheduler, verify
         except Exception as e:  # noqa: BLE001 - torch.load fails in many ways on a damaged file
             raise CheckpointError(f"cannot load checkpoint file {path / name}: {type(e).__name__}: {e}") from None
     trainable, state = loaded["trainable.pt"], loaded["state.pt"]
-    from tunekit import distributed
-
-    if distributed.is_sharded(model) or state.get("sharded"):
-        if not (distributed.is_sharded(model) and state.get("sharded")):
-            kind = "sharded (FSDP2)" if state.get("sharded") else "single-process or DDP"
-            raise CheckpointError(f"{path} was written by a {kind} run; resume it the same way (--parallel and "
-                                  "the launch)")
-        distributed.load_full_state(model, optimizer, trainable, state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        set_rng_state(state["rng"])
-        return {"step": state["step"], "data": state["data"]}
     params = dict(model.named_parameters())
     missing = [n for n in trainable if n not in params]
     if missing:

@@ -206,7 +206,7 @@ def is_sharded(model) -> bool:
 def full_state(model, optimizer=None) -> tuple[dict, dict | None]:
     """(the trainable weights, the optimizer state) as whole CPU tensors keyed by parameter name, on rank 0
     (the other ranks get empty dicts). Sharded (FSDP2) ones are gathered: a collective, every rank must call
-    it. For the checkpoint and the adapter, which rank 0 then writes alone."""
+    it. For the final adapter or model folder, which rank 0 then writes alone."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
 
@@ -217,14 +217,34 @@ def full_state(model, optimizer=None) -> tuple[dict, dict | None]:
     return trainable, optim
 
 
-def load_full_state(model, optimizer, trainable: dict, optim: dict) -> None:
-    """Put whole-tensor weights and optimizer state (as `full_state` returns them, read on every rank) into a
-    sharded model and its optimizer: each rank keeps its own slice."""
+def _sharded_state(model, optimizer) -> dict:
+    """The trainable weights and the optimizer state as this rank's shards (DTensors), keyed by name."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    weights = {n: t for n, t in get_model_state_dict(model).items() if n in trainable}
+    return {"model": weights, "optim": get_optimizer_state_dict(model, optimizer)}
+
+
+def save_sharded(model, optimizer, folder) -> None:
+    """Every rank writes its own shards of the trainable weights and the optimizer state into `folder`
+    (`torch.distributed.checkpoint`: one file per rank and a metadata file; nothing is gathered). Collective."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_sharded_state(model, optimizer), checkpoint_id=str(folder))
+
+
+def load_sharded(model, optimizer, folder) -> None:
+    """Read what `save_sharded` wrote back into the sharded model and optimizer, each rank its own shards.
+    Collective."""
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                          set_optimizer_state_dict)
 
-    set_model_state_dict(model, trainable, options=StateDictOptions(full_state_dict=True, strict=False))
-    set_optimizer_state_dict(model, optimizer, optim, options=StateDictOptions(full_state_dict=True))
+    state = _sharded_state(model, optimizer)
+    dcp.load(state, checkpoint_id=str(folder))
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
+    set_optimizer_state_dict(model, optimizer, state["optim"])
 
 
 # ---- the all-reduce itself: what the interconnect delivers -----------------------------------------------
