@@ -144,6 +144,10 @@ class TuneConfig:
     the work: `ddp` (each GPU holds the model; gradients are all-reduced), `fsdp` (FSDP2: weights, gradients
     and optimizer state sharded across GPUs) or `auto` (fsdp for full fine-tuning, ddp for LoRA and QLoRA).
     Ignored in a single process. See tunekit/distributed.py."""
+    fsdp_reshard: bool = True
+    """FSDP2: free each decoder block's gathered weights after its forward and gather them again for its
+    backward (least memory), or keep them until backward (false: one all-gather per block a step instead of
+    two, for one block's full weights held per layer)."""
 
     # ---- optimisation ----------------------------------------------------------------------------
     loss: str = "chunked"

@@ -152,10 +152,12 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     return list(layers)
 
 
-def parallelize(step_module: torch.nn.Module, model, parallel: str, device: str, dtype: torch.dtype):
+def parallelize(step_module: torch.nn.Module, model, parallel: str, device: str, dtype: torch.dtype,
+                reshard: bool = True):
     """Wrap `step_module` (the model and its loss, `train.StepModule`) for the launched world: the one place
     where parallelism is applied. Checkpointing is applied before (in the model), compilation will go here
-    before the wrap. Returns `step_module` itself when not distributed."""
+    before the wrap. `reshard`: FSDP2 frees each block's gathered weights after its forward (config
+    `fsdp_reshard`). Returns `step_module` itself when not distributed."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return step_module
     if parallel == "ddp":
@@ -169,7 +171,7 @@ def parallelize(step_module: torch.nn.Module, model, parallel: str, device: str,
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 \
             else MixedPrecisionPolicy()
         for layer in decoder_layers(model):
-            fully_shard(layer, mp_policy=mp)
+            fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard)
         fully_shard(step_module, mp_policy=mp)  # the root: embeddings, final norm, LM head, the loss
         return step_module
     raise ValueError(f"unknown parallel {parallel!r}; choose one of {', '.join(PARALLEL)}")

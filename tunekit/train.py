@@ -182,7 +182,7 @@ def build_training(cfg: TuneConfig, vocab_size: int, device: str, dtype: torch.d
     # FSDP2 replaces the parameters with sharded ones.
     parallel = distributed.choose_parallel(cfg.parallel, cfg.method)
     options["step_module"] = distributed.parallelize(StepModule(model, cfg.loss, options["autocast_dtype"]), model,
-                                                     parallel, device, dtype)
+                                                     parallel, device, dtype, cfg.fsdp_reshard)
     if verbose and distributed.launched():
         print(f"parallel: {parallel} over {distributed.world_size()} processes")
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, device, cfg.optimizer)
