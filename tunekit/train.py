@@ -16,7 +16,8 @@ FSDP or swap the loss for a fused kernel without touching the loop.
 
 Around the loop, nothing a user ran is lost (README, "Reliability"): a run folder holds one run (checked by
 `checkpoint.open_run` before any data or model work), its files are written once the run has started, a
-non-finite loss stops the run with its metrics row kept, and SIGINT/SIGTERM finish the step and checkpoint.
+non-finite loss stops the run with its metrics row kept, and SIGINT/SIGTERM finish the step and checkpoint
+(tunekit/stopping.py).
 """
 
 from __future__ import annotations
@@ -29,17 +30,18 @@ import json
 import math
 import shutil
 import signal
-import sys
-import threading
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from tunekit import batching, checkpoint, data, distributed, loss as loss_fn, memory, model as mdl
+from tunekit import batching, checkpoint, data, distributed, memory, stopping
+from tunekit import loss as loss_fn
+from tunekit import model as mdl
 from tunekit.attention import choose_attention, sdpa_backends, sdpa_context
 from tunekit.config import GPU_PRESETS, TuneConfig, save_config
+from tunekit.stopping import Diverged, Interrupted, read_metrics  # noqa: F401  (the run's API: train.Diverged, ...)
 
 # ---- building the pieces from a config ---------------------------------------------------------------
 
@@ -106,7 +108,7 @@ def prepare(cfg: TuneConfig, num_proc: int | None = None, verbose: bool = True):
             print(f"data: reusing {out} ({stats['samples']} samples, {stats['tokens']} tokens)")
             print(f"batches: {stats['packing_reason']}")
         return AutoTokenizer.from_pretrained(str(out / "tokenizer")), datasets.load_from_disk(str(out / "dataset")), stats
-    if not verbose or not _on_terminal():  # progress bars are carriage returns in a log file
+    if not verbose or not stopping.on_terminal():  # progress bars are carriage returns in a log file
         datasets.disable_progress_bars()
     records = data.load_records(cfg.data, fields=cfg.fields)
     tokenizer = build_tokenizer(cfg, records)
@@ -383,59 +385,10 @@ def run_length(cfg: TuneConfig, rows: int, say=print) -> TuneConfig:
     return dataclasses.replace(cfg, max_steps=steps)
 
 
-# ---- stopping without losing work: divergence, signals, what the run records ------------------------
-
-
-class Diverged(FloatingPointError):
-    """The loss or the gradient norm stopped being finite; the metrics row of that step was written."""
-
-
-class Interrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM stopped the run at `step` (the last step finished); `checkpoint` is what a resume
-    continues from (None: it starts over); `what` says what happened to the step and the checkpoint."""
-
-    def __init__(self, signum: int, step: int, checkpoint: Path | None, what: str):
-        self.signum, self.step, self.checkpoint = signum, step, checkpoint
-        super().__init__(f"interrupted by {signal.Signals(signum).name} {what}")
-
-
 def resolved_config(cfg: TuneConfig, device: str, dtype: torch.dtype) -> TuneConfig:
     """`cfg` with what `auto` and the empty out_dir resolved to here: what the run's config.json records."""
     name = {v: k for k, v in mdl.DTYPE.items()}[dtype]
     return dataclasses.replace(cfg, device=device, dtype=name, out_dir=str(cfg.run_dir()))
-
-
-def _json_line(row: dict) -> str:
-    """One metrics row; a non-finite number becomes null, since NaN/Infinity are not JSON."""
-    clean = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()}
-    return json.dumps(clean, allow_nan=False) + "\n"
-
-
-@contextlib.contextmanager
-def stop_requests(progress: dict):
-    """Catch SIGINT and SIGTERM for the run. Before training starts a signal stops at once (nothing has been
-    written). Once `progress["started"]`, the first one only sets `progress["signal"]`: the loop finishes its
-    step, writes a checkpoint and raises `Interrupted`; a second one raises at once, abandoning the step.
-    Outside the main thread signals cannot be caught, and nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield progress
-        return
-
-    def handler(signum, frame):
-        if progress["started"] and progress["signal"] is None:
-            progress["signal"] = signum
-            return
-        step, ckpt = progress["step"], progress["checkpoint"]
-        what = (f"at step {step}, abandoning the step under way; last checkpoint: {ckpt or 'none'}"
-                if progress["started"] else "before training started; the run folder is as it was")
-        raise Interrupted(signum, step, ckpt, what)
-
-    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield progress
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
 
 
 # ---- the run -----------------------------------------------------------------------------------------
@@ -463,7 +416,7 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
     run_dir = cfg.run_dir()
     say = print if progress and main else (lambda *a, **k: None)
     state = {"started": False, "signal": None, "step": 0, "checkpoint": None}  # shared with the signal handler
-    with _removed_if_left_empty(run_dir), stop_requests(state):
+    with stopping.removed_if_left_empty(run_dir), stopping.stop_requests(state):
         ckpt, changes = checkpoint.open_run(run_dir, resolved, resume, overwrite, allow_config_change, say,
                                             clean=main)
         step = checkpoint.checkpoint_step(ckpt) if ckpt else 0
@@ -507,15 +460,15 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
             for later in found[found.index(ckpt) + 1:]:
                 shutil.rmtree(later, ignore_errors=True)
         metrics_file = run_dir / "metrics.jsonl"
-        rows = [r for r in _read_metrics(metrics_file) if r["step"] <= step] if ckpt else []  # drop later steps
+        rows = [r for r in stopping.read_metrics_file(metrics_file) if r["step"] <= step] if ckpt else []  # drop later steps
         if main:
-            checkpoint.atomic_write_text(metrics_file, "".join(_json_line(r) for r in rows))
+            checkpoint.atomic_write_text(metrics_file, "".join(stopping.json_line(r) for r in rows))
             save_config(resolved, run_dir / "config.json")
         last_finite = next(((r["step"], r["loss"]) for r in reversed(rows) if r["loss"] is not None), None)
 
         stream = batches_from(ds, cfg, tokenizer.pad_token_id, epoch, start_batch)
         # A bar of carriage returns only on a terminal; sent to a file, the log is plain lines.
-        bar = tqdm(total=cfg.max_steps, initial=step, desc="train") if progress and _on_terminal() else None
+        bar = tqdm(total=cfg.max_steps, initial=step, desc="train") if progress and stopping.on_terminal() else None
         memory.reset_peak_memory(device)
         t_last, tokens_since, losses, saved_at = time.perf_counter(), 0, [], step
         # Samples and real tokens trained on so far, counting the run this one resumes.
@@ -548,7 +501,7 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
                            "grad_norm": round(grad_norm, 6), "epoch": epoch, **seen,
                            "tok_per_s": round(tokens_since / (now - t_last), 1), "peak_mem_gb": round(alloc, 3)}
                     if mf is not None:
-                        mf.write(_json_line(row))
+                        mf.write(stopping.json_line(row))
                         mf.flush()
                     if bar is not None:
                         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tok_per_s']:.0f}", mem=f"{alloc:.1f}G")
@@ -562,7 +515,7 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
                         bar.close()
                     last = (f"last finite loss {last_finite[1]:.4f} at step {last_finite[0]}" if last_finite
                             else "no finite loss before it")
-                    raise Diverged(f"diverged at step {step}: loss {loss}, grad norm {grad_norm} ({last}); last "
+                    raise stopping.Diverged(f"diverged at step {step}: loss {loss}, grad norm {grad_norm} ({last}); last "
                                    f"good checkpoint: {state['checkpoint'] or 'none'}. Lower --lr or clip with "
                                    "--max-grad-norm, and start again.")
                 last_finite = (step, loss)
@@ -586,7 +539,7 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
                 what = f"at step {step}; its checkpoint is {state['checkpoint']}"
             else:
                 what = "before the first step finished; no checkpoint"
-            raise Interrupted(state["signal"], step, state["checkpoint"], what)
+            raise stopping.Interrupted(state["signal"], step, state["checkpoint"], what)
         summary = {"steps": step, "losses": losses, "final_loss": losses[-1] if losses else None,
                    "samples_seen": seen["samples"], "tokens_seen": seen["tokens"],
                    "epochs_seen": round(seen["samples"] / max(1, stats["samples"]), 4),
@@ -601,37 +554,3 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
                                              {k: v for k, v in summary.items() if k != "losses"})
             distributed.barrier()
         return summary
-
-
-def _on_terminal() -> bool:
-    return sys.stdout.isatty() and sys.stderr.isatty()
-
-
-@contextlib.contextmanager
-def _removed_if_left_empty(run_dir: Path):
-    """Create `run_dir` (checking that it can be written) and, if the run fails to start, leave no empty
-    folder behind."""
-    created = not run_dir.exists()
-    checkpoint._check_writable(run_dir)
-    try:
-        yield
-    finally:
-        if created and run_dir.is_dir() and not any(run_dir.iterdir()):
-            run_dir.rmdir()
-
-
-def _read_metrics(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    rows = [json.loads(line) for line in lines[:-1]]
-    try:
-        rows += [json.loads(line) for line in lines[-1:]]
-    except json.JSONDecodeError:  # the last row of a run killed while writing it
-        pass
-    return rows
-
-
-def read_metrics(run_dir: str | Path) -> list[dict]:
-    """The metrics rows of a run, for plotting."""
-    return _read_metrics(Path(run_dir) / "metrics.jsonl")
