@@ -151,7 +151,7 @@ def _main(argv: list[str] | None = None) -> int:
     if args.command == "doctor":
         from tunekit import doctor
 
-        return doctor.main_distributed() if args.distributed else doctor.main()
+        return doctor.main(distributed=args.distributed)
     if args.command == "results":
         from tunekit import claims, results
 

@@ -63,11 +63,15 @@ def report() -> list[tuple[str, str]]:
     return rows
 
 
-def main() -> int:
-    rows = report()
+def print_rows(rows: list[tuple[str, str]]) -> None:
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
+
+
+def main(distributed: bool = False) -> int:
+    """`tunekit doctor`; with `distributed`, `tunekit doctor --distributed`."""
+    print_rows(distributed_report() if distributed else report())
     return 0
 
 
@@ -156,11 +160,3 @@ def distributed_report(environ: dict | None = None, ib_root: str = "/sys/class/i
     for var, why in NCCL_DEBUG_VARS.items():
         rows.append((var, f"={env[var]}" if var in env else f"unset; for a hang: {why}"))
     return rows
-
-
-def main_distributed() -> int:
-    rows = distributed_report()
-    width = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        print(f"{k:<{width}}  {v}")
-    return 0
