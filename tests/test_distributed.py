@@ -219,3 +219,19 @@ def test_accelerate_launch_with_the_shipped_config(make, tmp_path):
     one = make("one", batch_size=4)
     train.train(one, progress=False)
     assert_same_run(two, one)
+
+
+def test_global_batch_sets_the_accumulation_for_the_gpus_there_are():
+    cfg = config.tiny(batch_size=2, global_batch=16)
+    assert train.batch_plan(cfg, 1).grad_accum == 8 and train.batch_plan(cfg, 2).grad_accum == 4
+    assert train.batch_plan(config.tiny(grad_accum=3), 2).grad_accum == 3  # unset: grad_accum as given
+    with pytest.raises(config.ConfigError, match=r"'global_batch' = 6: .* batch_size 2 on 2 GPU\(s\) \(4 rows each\); "
+                                                 r"use 4 or 8"):
+        train.batch_plan(config.tiny(batch_size=2, global_batch=6), 2)
+
+
+def test_a_global_batch_that_does_not_divide_is_refused_before_any_work(make):
+    cfg = make("uneven", batch_size=4, global_batch=6)
+    with pytest.raises(config.ConfigError, match="global_batch"):
+        train.train(cfg, progress=False)
+    assert not cfg.run_dir().exists()

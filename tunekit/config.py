@@ -160,6 +160,10 @@ class TuneConfig:
     """Micro-batch: samples per forward/backward."""
     grad_accum: int = 1
     """Micro-batches per optimizer step. Global batch = batch_size * grad_accum (* world size)."""
+    global_batch: int = 0
+    """Rows per optimizer step over all GPUs; 0: batch_size x grad_accum x GPUs. When set, `grad_accum` is
+    computed from it at start (global_batch / (batch_size x GPUs), which must be whole), so one config keeps
+    its optimizer step on 1, 2 or 8 GPUs."""
     lr: float = 3e-3
     """Peak learning rate, reached after `warmup_steps` and decayed along a cosine to `min_lr_ratio`."""
     min_lr_ratio: float = 0.1
@@ -240,7 +244,7 @@ class TuneConfig:
                      "bench_steps", "hidden_size", "num_layers", "num_heads", "intermediate_size"):
             need(getattr(self, name) > 0, name, "must be a positive integer")
         for name in ("num_workers", "save_every", "warmup_steps", "bench_warmup", "num_kv_heads", "vocab_size",
-                     "cpu_threads"):
+                     "cpu_threads", "global_batch"):
             need(getattr(self, name) >= 0, name, "must be zero or positive")
         need(self.lr > 0, "lr", "must be positive")
         need(math.isfinite(self.epochs) and self.epochs >= 0, "epochs", "must be zero (use max_steps) or a positive number")

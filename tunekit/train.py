@@ -374,6 +374,23 @@ def _worker_init(then, worker_id: int) -> None:
         then(worker_id)
 
 
+def batch_plan(cfg: TuneConfig, world: int) -> TuneConfig:
+    """`cfg` with `grad_accum` computed from `global_batch` when that is set: global_batch / (batch_size x
+    world), which must be whole; otherwise a ConfigError that says which values would work."""
+    from tunekit.config import ConfigError
+
+    if not cfg.global_batch:
+        return cfg
+    per_step = cfg.batch_size * world
+    if cfg.global_batch % per_step:
+        below, above = cfg.global_batch // per_step * per_step, -(-cfg.global_batch // per_step) * per_step
+        near = sorted({max(per_step, below), above})
+        raise ConfigError(f"config field 'global_batch' = {cfg.global_batch}: not a whole number of micro-batches "
+                          f"of batch_size {cfg.batch_size} on {world} GPU(s) ({per_step} rows each); use "
+                          f"{' or '.join(map(str, near))}, or another --batch-size")
+    return dataclasses.replace(cfg, grad_accum=cfg.global_batch // per_step)
+
+
 def run_length(cfg: TuneConfig, rows: int, say=print) -> TuneConfig:
     """`cfg` with `max_steps` computed from `epochs` when that is set: optimizer steps that take `epochs`
     passes over `rows` batch rows (samples, or packed rows), whole batches only, as the loader gives them."""
@@ -412,6 +429,7 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
     device, dtype = resolve_runtime(cfg)
     distributed.init(device)  # under torchrun: the process group, this rank's GPU (else nothing)
     main = distributed.is_main()  # rank 0 alone prints and writes the run's files
+    cfg = batch_plan(cfg, distributed.world_size())
     resolved = resolved_config(cfg, device, dtype)
     run_dir = cfg.run_dir()
     say = print if progress and main else (lambda *a, **k: None)
