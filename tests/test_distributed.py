@@ -235,3 +235,14 @@ def test_a_global_batch_that_does_not_divide_is_refused_before_any_work(make):
     with pytest.raises(config.ConfigError, match="global_batch"):
         train.train(cfg, progress=False)
     assert not cfg.run_dir().exists()
+
+
+@pytest.mark.slow
+def test_a_resume_on_another_number_of_processes_is_refused(make, tmp_path):
+    from tunekit import checkpoint
+
+    two = make("two", parallel="ddp", max_steps=6, save_every=2)
+    torchrun({"config": config.config_dict(two), "stop_after": 3}, tmp_path)
+    assert checkpoint.checkpoint_world(checkpoint.latest_checkpoint(two.run_dir())) == 2
+    with pytest.raises(checkpoint.CheckpointError, match=r"written by a run on 2 process\(es\), this one has 1"):
+        train.train(two, resume=True, progress=False)

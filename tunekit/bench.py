@@ -172,6 +172,7 @@ def run_bench(cfg: TuneConfig, name: str = "", verbose: bool = True, memory_cap_
         from tunekit.results import format_table
 
         print(format_table([result]))
+    distributed.barrier()  # no rank tears the group down while another still talks to it
     return result
 
 

@@ -214,6 +214,11 @@ def checkpoint_step(path: str | os.PathLike) -> int:
     return json.loads((Path(path) / META).read_text())["step"]
 
 
+def checkpoint_world(path: str | os.PathLike) -> int:
+    """How many processes wrote the checkpoint (1 for checkpoints from before runs recorded it)."""
+    return json.loads((Path(path) / META).read_text())["data"].get("world", 1)
+
+
 def verify_checkpoint(path: str | os.PathLike) -> str | None:
     """None if every file of the checkpoint at `path` has the size and sha256 recorded when it was written;
     otherwise what is wrong, naming the file."""

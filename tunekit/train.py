@@ -438,6 +438,11 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
         ckpt, changes = checkpoint.open_run(run_dir, resolved, resume, overwrite, allow_config_change, say,
                                             clean=main)
         step = checkpoint.checkpoint_step(ckpt) if ckpt else 0
+        if ckpt is not None and (was := checkpoint.checkpoint_world(ckpt)) != distributed.world_size():
+            raise checkpoint.CheckpointError(
+                f"{ckpt} was written by a run on {was} process(es), this one has {distributed.world_size()}: each "
+                f"rank's place in the data is counted in its own batches. Resume with the same launch "
+                f"(torchrun --nproc_per_node {was}{' ...' if was > 1 else ''}), or start a new run.")
         planned = cfg.max_steps
         if cfg.epochs and ckpt is not None:  # the data decides the length: known here only if epochs is as saved
             saved_cfg = checkpoint.saved_config(run_dir)
@@ -491,7 +496,8 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
         t_last, tokens_since, losses, saved_at = time.perf_counter(), 0, [], step
         # Samples and real tokens trained on so far, counting the run this one resumes.
         seen = {k: saved["data"].get(k, 0) if ckpt else 0 for k in ("samples", "tokens")}
-        position = {"epoch": epoch, "next_batch": start_batch, **seen}  # of the last finished step
+        world = distributed.world_size()
+        position = {"epoch": epoch, "next_batch": start_batch, **seen, "world": world}  # of the last finished step
         with open(metrics_file, "a") if main else contextlib.nullcontext() as mf:
             while step < cfg.max_steps and state["signal"] is None:
                 micro, counts = [], [0, 0]  # this rank's samples and real tokens (counted on the host)
@@ -508,7 +514,7 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
                 seen["samples"], seen["tokens"] = seen["samples"] + int(counts[0]), seen["tokens"] + int(counts[1])
                 tokens_since += int(counts[1])
                 step += 1
-                position = {"epoch": epoch, "next_batch": index + 1, **seen}
+                position = {"epoch": epoch, "next_batch": index + 1, **seen, "world": world}
                 loss, grad_norm = out["loss"].item(), float(out["grad_norm"])
                 losses.append(loss)
                 diverged = not (math.isfinite(loss) and math.isfinite(grad_norm))
@@ -570,5 +576,5 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
                 mdl.save_adapter(model, run_dir / ("adapter" if cfg.method != "full" else "model"), weights)
                 checkpoint.atomic_write_json(run_dir / "summary.json",
                                              {k: v for k, v in summary.items() if k != "losses"})
-            distributed.barrier()
+        distributed.barrier()  # no rank leaves (and tears the group down) while another still talks to it
         return summary
