@@ -92,6 +92,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="llama7b_lora", help=f"one of {', '.join(PRESETS)} (default llama7b_lora)")
     p.add_argument("--memory-gb", type=float, default=0.0,
                    help="also say the largest micro-batch whose estimate fits this much memory")
+    p.add_argument("--gpus", type=int, default=1, help="per GPU of a torchrun launch on this many (DDP or FSDP2 "
+                   "as --parallel decides; default 1)")
     p = sub.add_parser("prepare", help="tokenize the training data offline into <out-dir>/prepared", **common)
     p.add_argument("--preset", default="tiny", help=f"one of {', '.join(PRESETS)} (default tiny)")
     p.add_argument("--num-proc", type=int, default=None, help="tokenizer processes for datasets.map")
@@ -225,16 +227,19 @@ def _main(argv: list[str] | None = None) -> int:
             from tunekit import estimate
             from tunekit.config import config_dict
 
+            if args.gpus < 1:
+                raise ValueError("--gpus must be 1 or more")
+            conf = {**config_dict(cfg), "world_size": args.gpus}
             if not cfg.vocab_size:
                 raise ValueError("estimate needs --vocab-size (the tokenizer is not loaded)")
-            print(estimate.format_estimate(estimate.estimate_memory_for(**config_dict(cfg))))
+            print(estimate.format_estimate(estimate.estimate_memory_for(**conf)))
             if args.memory_gb:
                 budget = args.memory_gb * 1e9
-                best = estimate.estimate_max_batch(config_dict(cfg), budget)
+                best = estimate.estimate_max_batch(conf, budget)
                 if best == 0:
-                    print(estimate.cannot_fit_message(config_dict(cfg), budget))
+                    print(estimate.cannot_fit_message(conf, budget))
                     return 1
-                allocated = estimate.estimate_max_batch(config_dict(cfg), budget, reserve_factor=1.0)
+                allocated = estimate.estimate_max_batch(conf, budget, reserve_factor=1.0)
                 accum = estimate.grad_accum_for(cfg.batch_size * cfg.grad_accum, best)
                 print(f"fits {args.memory_gb:g} GB up to micro-batch {best} x {cfg.max_length} counting reserved memory "
                       f"(~{estimate.RESERVE_FACTOR:g}x the estimate: the caching allocator's fragmentation), "

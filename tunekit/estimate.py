@@ -165,9 +165,16 @@ def estimate_memory(hidden: int, layers: int, heads: int, kv_heads: int, interme
                     grad_ckpt: bool = False, weight_dtype_bytes: int = 2, optimizer: str = "adamw",
                     overhead_bytes: int = OVERHEAD_BYTES, loss: str = "chunked", lora_input_cast: bool = False,
                     offload: bool = False, kbit_prepare: bool = False, embed_offload: bool = False,
-                    attention_scores: bool = False) -> dict:
+                    attention_scores: bool = False, world_size: int = 1, parallel: str = "ddp",
+                    fsdp_reshard: bool = True) -> dict:
     """Predict the peak GPU memory (bytes, as `torch.cuda.max_memory_allocated` reports it) of one training
     step of a Llama-shaped model with tunekit's loop, before loading anything. See the module docstring.
+
+    On `world_size` GPUs (per GPU; `batch` is per GPU): DDP adds its gradient buckets (a second copy of the
+    trainable gradients); FSDP2 divides weights, adapters, optimizer state and gradients by the world size and
+    adds what is gathered at a time: two decoder blocks' weights (the one running and the one prefetched) and,
+    for full fine-tuning, one block's fp32 gradients before their reduce-scatter; with `fsdp_reshard=False`
+    every block's gathered weights stay from its forward to its backward.
 
     Returns the named parts, `total` (the predicted peak), `peak_at` (which moment of the step it is),
     `cuda_context` and `device_total` (= total + cuda_context)."""
@@ -221,7 +228,16 @@ def estimate_memory(hidden: int, layers: int, heads: int, kv_heads: int, interme
         if method == "full":  # the LM head's gradient, summed in fp32, and one chunk's bf16 share of it
             parts["logits"] += (4 + 2) * vocab * hidden
     parts["overhead"] = overhead_bytes
-    static = parts["weights"] + parts["lora"] + parts["optimizer"] + parts["overhead"]
+    parts["parallel"] = 0
+    if world_size > 1 and parallel == "fsdp":
+        for k in ("weights", "lora", "optimizer", "gradients"):
+            parts[k] //= world_size
+        block = (weights - 2 * other_bytes * vocab * hidden) // layers  # one decoder block's stored weights
+        gathered = 2 * block if fsdp_reshard else layers * block
+        parts["parallel"] = gathered + (4 * linear // layers if method == "full" else 0)
+    elif world_size > 1:  # DDP: the buckets the gradients are all-reduced from
+        parts["parallel"] = parts["gradients"]
+    static = parts["weights"] + parts["lora"] + parts["optimizer"] + parts["overhead"] + parts["parallel"]
     moments = {
         "loss backward": parts["activations"] + parts["logits"],
         "first recomputed layer": parts["activations"] + parts["recompute"] + parts["gradients"],
@@ -240,9 +256,13 @@ def estimate_memory_for(hidden_size: int, num_layers: int, num_heads: int, inter
                         lora_r: int = 16, lora_targets: str = "all-linear", grad_ckpt: bool = False,
                         loss: str = "chunked", lora_input_cast: bool = False, grad_ckpt_offload: bool = False,
                         optimizer: str = "adamw", peft_kbit_prepare: bool = False, embed_offload: bool = False,
-                        attention: str = "auto", sdpa_backend: str = "auto", **_ignored) -> dict:
+                        attention: str = "auto", sdpa_backend: str = "auto", world_size: int = 1,
+                        parallel: str = "auto", fsdp_reshard: bool = True, **_ignored) -> dict:
     """`estimate_memory` from TuneConfig field names, so `estimate_memory_for(**config_dict(cfg))` works
-    (other fields are ignored; `vocab_size` must be set: a tokenizer's size is unknown before loading)."""
+    (other fields are ignored; `vocab_size` must be set: a tokenizer's size is unknown before loading).
+    `world_size`: the GPUs of a torchrun launch (`parallel` auto resolves as training does)."""
+    from tunekit.distributed import choose_parallel
+
     if not vocab_size:
         raise ValueError("vocab_size is 0 (the tokenizer's size); pass the vocabulary size explicitly")
     return estimate_memory(hidden_size, num_layers, num_heads, num_kv_heads or num_heads, intermediate_size,
@@ -250,12 +270,14 @@ def estimate_memory_for(hidden_size: int, num_layers: int, num_heads: int, inter
                            optimizer=optimizer, loss=loss, lora_input_cast=lora_input_cast,
                            offload=grad_ckpt_offload, kbit_prepare=peft_kbit_prepare,
                            embed_offload=embed_offload,
-                           attention_scores=attention == "eager" or sdpa_backend.split(",")[0].strip() == "math")
+                           attention_scores=attention == "eager" or sdpa_backend.split(",")[0].strip() == "math",
+                           world_size=world_size, parallel=choose_parallel(parallel, method),
+                           fsdp_reshard=fsdp_reshard)
 
 
 def format_estimate(est: dict) -> str:
     """One line: the parts in GB and the predicted peak."""
-    keys = ("weights", "lora", "optimizer", "gradients", "activations", "recompute", "logits", "overhead")
+    keys = ("weights", "lora", "optimizer", "gradients", "parallel", "activations", "recompute", "logits", "overhead")
     body = ", ".join(f"{k} {est[k] / 1e9:.2f}" for k in keys if est[k])
     return f"{body} -> peak {est['total'] / 1e9:.2f} GB at {est['peak_at']}"
 
