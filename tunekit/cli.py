@@ -283,9 +283,10 @@ def _train(args, rest: list[str], argv: list[str]) -> int:
     except KeyboardInterrupt:  # before train caught the signals
         print(early, file=sys.stderr)
         return 130
-    print(f"done: {summary['steps']} steps, loss {summary['losses'][0]:.3f} -> {summary['final_loss']:.3f}"
-          if summary["losses"] else "done: nothing to do")
-    print(f"outputs in {summary['run_dir']}")
+    if tr.distributed.is_main():  # under torchrun, once
+        print(f"done: {summary['steps']} steps, loss {summary['losses'][0]:.3f} -> {summary['final_loss']:.3f}"
+              if summary["losses"] else "done: nothing to do")
+        print(f"outputs in {summary['run_dir']}")
     return 0
 
 

@@ -205,18 +205,19 @@ def is_sharded(model) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def full_state(model, optimizer=None) -> tuple[dict, dict | None]:
-    """(the trainable weights, the optimizer state) as whole CPU tensors keyed by parameter name, on rank 0
-    (the other ranks get empty dicts). Sharded (FSDP2) ones are gathered: a collective, every rank must call
-    it. For the final adapter or model folder, which rank 0 then writes alone."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
+def full_trainable(model) -> dict:
+    """The trainable weights as whole CPU tensors keyed by parameter name, on rank 0 (the other ranks get an
+    empty dict): each sharded (FSDP2) one is gathered in turn, so the frozen base — 4-bit under QLoRA — is
+    never touched. A collective: every rank must call it. For the final adapter or model folder."""
+    from torch.distributed.tensor import DTensor
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    weights = get_model_state_dict(model, options=options)
-    trainable = {n: weights[n] for n, p in model.named_parameters() if p.requires_grad and n in weights}  # rank 0
-    optim = get_optimizer_state_dict(model, optimizer, options=options) if optimizer is not None else None
-    return trainable, optim
+    out = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            whole = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
+            if is_main():
+                out[name] = whole.cpu()
+    return out
 
 
 def _sharded_state(model, optimizer) -> dict:

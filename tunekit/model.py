@@ -325,7 +325,7 @@ def count_parameters(model) -> tuple[int, int]:
 def save_adapter(model, path: str | os.PathLike, state_dict: dict | None = None) -> Path:
     """Save a PEFT adapter (adapter_config.json + adapter_model.safetensors) atomically; given a plain
     model, save the whole model the same way. `state_dict`: the weights to write instead of the model's own
-    (gathered whole from an FSDP2-sharded model, `distributed.full_state`)."""
+    (gathered whole from an FSDP2-sharded model, `distributed.full_trainable`)."""
     with atomic_output(path) as tmp:
         model.save_pretrained(tmp, state_dict=state_dict)
     return Path(path)

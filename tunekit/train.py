@@ -571,7 +571,7 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
         if step >= cfg.max_steps:  # (a signal now changes nothing: the run is finishing)
             checkpoint.save_checkpoint(run_dir, step, model, optimizer, scheduler, position, cfg.keep_checkpoints)
             # LoRA: the PEFT adapter folder; full fine-tuning: the whole model, loadable with from_pretrained.
-            weights = distributed.full_state(model)[0] if distributed.is_sharded(model) else None  # all ranks
+            weights = distributed.full_trainable(model) if distributed.is_sharded(model) else None  # all ranks
             if main:
                 mdl.save_adapter(model, run_dir / ("adapter" if cfg.method != "full" else "model"), weights)
                 checkpoint.atomic_write_json(run_dir / "summary.json",
