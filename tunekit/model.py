@@ -246,6 +246,9 @@ def save_random_init(arch, dtype: torch.dtype, seed: int = 0) -> Path:
     model = build_model(arch, dtype=dtype, device=device, seed=seed)
     with atomic_output(folder, keep_existing=True) as tmp:
         model.save_pretrained(tmp)
+        if not (tmp / "config.json").exists():  # never cache a folder that cannot be loaded
+            raise RuntimeError(f"saving the random-init model wrote no config.json into {tmp}; under torchrun only "
+                               "rank 0 may save it")
     del model
     return folder
 

@@ -141,7 +141,9 @@ def build_training_model(cfg: TuneConfig, vocab_size: int, device: str, dtype: t
         raise ValueError(f"the tokenizer has {vocab_size} tokens but vocab_size is {cfg.vocab_size}; "
                          f"raise --vocab-size or lower --tokenizer-vocab.")
     if cfg.method == "qlora":
-        source = cfg.model or str(mdl.save_random_init(arch, torch.bfloat16, cfg.seed))
+        # Rank 0 saves the random-init model once; the others load what it wrote (under torchrun, transformers
+        # writes no config.json from the other ranks).
+        source = cfg.model or str(distributed.main_first(lambda: mdl.save_random_init(arch, torch.bfloat16, cfg.seed)))
         model = mdl.load_quantized(source, device, attn)
         if cfg.peft_kbit_prepare:  # peft's guides; upcasts the non-4-bit weights to fp32 (measured in lesson 2)
             from peft import prepare_model_for_kbit_training
