@@ -116,18 +116,24 @@ def test_measure_step_times_only_timed_calls():
     assert len(n) == 5 and sum(times) < 0.25
 
 
-def test_measure_step_times_more_steps_while_the_median_is_uncertain():
+def test_measure_step_times_more_steps_while_the_median_is_uncertain(monkeypatch):
+    """On a fake clock, so a busy machine cannot make steady steps look noisy."""
     import itertools
 
-    # Alternating 1 ms and 40 ms steps: the median stays uncertain, so timing goes on to the cap.
-    noisy = itertools.cycle([0.001, 0.04])
-    times = bench.measure_step(lambda: __import__("time").sleep(next(noisy)), warmup=0, steps=4, device="cpu",
+    clock = [0.0]
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+
+    def step(durations):
+        return lambda: clock.__setitem__(0, clock[0] + next(durations))
+
+    # Steps scattered from 1 to 40 ms: the median stays uncertain, so timing goes on to the cap.
+    times = bench.measure_step(step(itertools.cycle([0.001, 0.04, 0.02, 0.03, 0.005])), warmup=0, steps=4, device="cpu",
                                max_steps=12, target_error=0.01)
     assert len(times) == 12
     # Steady steps: the minimum is enough.
-    steady = bench.measure_step(lambda: __import__("time").sleep(0.002), warmup=0, steps=4, device="cpu",
-                                max_steps=12, target_error=0.5)
-    assert len(steady) == 4
+    steady = bench.measure_step(step(itertools.repeat(0.002)), warmup=0, steps=4, device="cpu", max_steps=12,
+                                target_error=0.5)
+    assert len(steady) == 4 and steady == pytest.approx([0.002] * 4)
 
 
 def test_median_error_and_spread():
