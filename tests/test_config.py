@@ -223,7 +223,7 @@ def test_smoke_mode(monkeypatch):
     ({"method": "full", "embed_offload": True}, "embed_offload"),  # the embeddings train
     ({"sdpa_backend": "cudnn,turbo"}, "sdpa_backend"),
     ({"loss": "fused"}, "loss"),
-    ({"optimizer": "lion"}, "optimizer"),
+    ({"optimizer": "sgd"}, "optimizer"),
 ])
 def test_lesson2_fields_reject_bad_combinations(overrides, field):
     with pytest.raises(ConfigError, match=f"'{field}'"):

@@ -22,7 +22,7 @@ ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention")
 PACKING = ("auto", "pad", "group", "pack")
 DEVICES = ("auto", "cpu", "cuda")
 LOSSES = ("chunked", "plain")
-OPTIMIZERS = ("adamw", "adamw8bit")
+OPTIMIZERS = ("adamw", "adamw8bit", "lion")
 SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
 PARALLEL = ("auto", "ddp", "fsdp")
 
@@ -154,8 +154,9 @@ class TuneConfig:
     """`chunked`: LM head and cross-entropy fused, 1k tokens at a time, never holding the logits (see
     tunekit/loss.py). `plain`: `model(...).logits` then `F.cross_entropy`, the reference."""
     optimizer: str = "adamw"
-    """`adamw` (fp32 states for fp32 adapters; fused kernel on CUDA) or `adamw8bit` (bitsandbytes
-    block-wise 8-bit states: 2 bytes a parameter instead of 8; CUDA only)."""
+    """`adamw` (fp32 states for fp32 adapters; fused kernel on CUDA), `adamw8bit` (bitsandbytes
+    block-wise 8-bit states: 2 bytes a parameter instead of 8; CUDA only) or `lion` (one state a parameter;
+    give it about a tenth of AdamW's --lr and ten times its --weight-decay: speedups.lion_settings)."""
     batch_size: int = 16
     """Micro-batch: samples per forward/backward."""
     grad_accum: int = 1

@@ -200,7 +200,7 @@ def estimate_memory(hidden: int, layers: int, heads: int, kv_heads: int, interme
     if embed_offload:  # the input table and the LM head live in CPU memory
         weights -= 2 * other_bytes * vocab * hidden
     trainable, train_bytes = (linear + other, weight_dtype_bytes) if method == "full" else (lora, 4)
-    states = {"adamw": 2 * train_bytes, "adamw8bit": 2}[optimizer]  # (8-bit block scales are ~0.1%)
+    states = {"adamw": 2 * train_bytes, "adamw8bit": 2, "lion": train_bytes}[optimizer]  # (8-bit scales: ~0.1%)
     parts = {
         "weights": weights,
         "lora": 4 * lora,

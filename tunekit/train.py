@@ -195,8 +195,9 @@ def build_training(cfg: TuneConfig, vocab_size: int, device: str, dtype: torch.d
 
 
 def build_optimizer(model, lr: float, weight_decay: float, device: str, name: str = "adamw") -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters: `adamw` (torch, fused into one kernel on CUDA) or `adamw8bit`
-    (bitsandbytes: states quantized block-wise to 8 bits, https://arxiv.org/abs/2110.02861)."""
+    """The optimizer over the trainable parameters: `adamw` (torch, fused into one kernel on CUDA), `adamw8bit`
+    (bitsandbytes: states quantized block-wise to 8 bits, https://arxiv.org/abs/2110.02861) or `lion`
+    (tunekit/speedups.py)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if name == "adamw8bit":
         if device != "cuda":
@@ -207,6 +208,10 @@ def build_optimizer(model, lr: float, weight_decay: float, device: str, name: st
         except ImportError:
             raise RuntimeError("optimizer=adamw8bit needs bitsandbytes: pip install bitsandbytes") from None
         return bnb.optim.AdamW8bit(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+    if name == "lion":
+        from tunekit.speedups import Lion
+
+        return Lion(params, lr=lr, betas=(0.9, 0.99), weight_decay=weight_decay)
     fused = device == "cuda"  # one kernel for every tensor; on CPU the default foreach path is as good
     return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, fused=fused)
 
