@@ -246,3 +246,28 @@ def test_a_resume_on_another_number_of_processes_is_refused(make, tmp_path):
     assert checkpoint.checkpoint_world(checkpoint.latest_checkpoint(two.run_dir())) == 2
     with pytest.raises(checkpoint.CheckpointError, match=r"written by a run on 2 process\(es\), this one has 1"):
         train.train(two, resume=True, progress=False)
+
+
+def test_the_run_length_counts_each_ranks_share_of_the_rows():
+    """40 rows, batch 4: 10 batches an epoch in one process, 5 on each of 2 (each rank reads 20 rows)."""
+    cfg = config.tiny(batch_size=4, epochs=2.0)
+    assert train.run_length(cfg, 40, 1, say=lambda *a: None).max_steps == 20
+    assert train.run_length(cfg, 40, 2, say=lambda *a: None).max_steps == 10
+    assert len(batching.EpochSampler(40, seed=0, rank=1, world=2)) // 4 == 5  # what the loader gives a rank
+
+
+@pytest.mark.slow
+def test_too_few_rows_for_every_rank_is_an_error_not_a_hang(make, tmp_path):
+    """Enough packed rows for one batch in one process, but not once they are split between 2 ranks: without
+    the check, each rank's loader would give no batch and the loop would wait for one forever."""
+    cfg = make("few")
+    rows = train.prepare(cfg, verbose=False)[2]["packed_rows"]
+    few = make("few2", batch_size=rows // 2 + 1)
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"config": config.config_dict(few)}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), str(WORKER), str(spec)]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    assert f"packed rows on each of 2 processes, fewer than one batch of {rows // 2 + 1}" in proc.stdout + proc.stderr

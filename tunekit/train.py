@@ -398,12 +398,13 @@ def batch_plan(cfg: TuneConfig, world: int) -> TuneConfig:
     return dataclasses.replace(cfg, grad_accum=cfg.global_batch // per_step)
 
 
-def run_length(cfg: TuneConfig, rows: int, say=print) -> TuneConfig:
+def run_length(cfg: TuneConfig, rows: int, world: int = 1, say=print) -> TuneConfig:
     """`cfg` with `max_steps` computed from `epochs` when that is set: optimizer steps that take `epochs`
-    passes over `rows` batch rows (samples, or packed rows), whole batches only, as the loader gives them."""
+    passes over `rows` batch rows (samples, or packed rows), whole batches only, as the loader gives them.
+    On `world` processes each reads `rows // world` of them (`batching.EpochSampler`)."""
     if not cfg.epochs:
         return cfg
-    per_epoch = rows // cfg.batch_size  # the loader drops the last incomplete batch
+    per_epoch = rows // world // cfg.batch_size  # each rank's batches; the loader drops an incomplete last one
     steps = max(1, math.ceil(cfg.epochs * per_epoch / cfg.grad_accum))
     say(f"length: {cfg.epochs:g} epochs of {per_epoch} batches of {cfg.batch_size} -> {steps} optimizer steps")
     return dataclasses.replace(cfg, max_steps=steps)
@@ -463,10 +464,12 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
         # Rank 0 tokenizes into the run folder; the others then read what it wrote.
         tokenizer, ds, stats = distributed.main_first(lambda: prepare(cfg, verbose=progress and main))
         say(data.preview(ds, tokenizer, stats))  # one sample as the model sees it, the masked part marked
-        if len(ds) < cfg.batch_size:
+        world = distributed.world_size()
+        if len(ds) // world < cfg.batch_size:  # each rank reads len(ds) // world rows
             what = "packed rows" if stats["packing"] == "pack" else "samples"
-            raise ValueError(f"{cfg.data}: {len(ds)} {what}, fewer than one batch of {cfg.batch_size}.")
-        cfg = run_length(dataclasses.replace(cfg, packing=stats["packing"]), len(ds), say)
+            on = f" on each of {world} processes" if world > 1 else ""
+            raise ValueError(f"{cfg.data}: {len(ds) // world} {what}{on}, fewer than one batch of {cfg.batch_size}.")
+        cfg = run_length(dataclasses.replace(cfg, packing=stats["packing"]), len(ds), world, say)
         resolved = resolved_config(cfg, device, dtype)
         torch.manual_seed(cfg.seed)
         model, optimizer, scheduler, options = build_training(cfg, len(tokenizer), device, dtype, cfg.max_steps,
@@ -503,7 +506,6 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
         t_last, tokens_since, losses, saved_at = time.perf_counter(), 0, [], step
         # Samples and real tokens trained on so far, counting the run this one resumes.
         seen = {k: saved["data"].get(k, 0) if ckpt else 0 for k in ("samples", "tokens")}
-        world = distributed.world_size()
         position = {"epoch": epoch, "next_batch": start_batch, **seen, "world": world}  # of the last finished step
         with open(metrics_file, "a") if main else contextlib.nullcontext() as mf:
             while step < cfg.max_steps and state["signal"] is None:
@@ -514,7 +516,7 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
                     counts[1] += int(batch.pop("attention_mask").sum())
                     micro.append(to_device(batch, device))
                 out = train_step(model, micro, optimizer, scheduler, cfg.max_grad_norm, **options)
-                if distributed.world_size() > 1:  # every rank's counts, and whether any was asked to stop
+                if world > 1:  # every rank's counts, and whether any was asked to stop
                     *counts, stop = distributed.all_reduce_sum(torch.tensor([*counts, state["signal"] or 0])).tolist()
                     if stop and state["signal"] is None:  # another rank was: all stop after this step
                         state["signal"] = signal.SIGTERM
