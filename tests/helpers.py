@@ -23,6 +23,19 @@ def gpu(fn):
     return pytest.mark.gpu(cuda_only(fn))
 
 
+def offline_failure(monkeypatch, load) -> str:
+    """With HF_HUB_OFFLINE=1 (set after import, as a notebook would), `load()` of a name the cache lacks must
+    fail with an OSError within 5 s (not tens of seconds of retries); returns its message."""
+    import time
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    start = time.perf_counter()
+    with pytest.raises(OSError) as e:  # mdl.HubError, a ConnectionError: the CLI prints it as one line
+        load()
+    assert time.perf_counter() - start < 5
+    return str(e.value)
+
+
 def read_arith(n: int) -> list[dict]:
     with open(ARITH) as f:
         return [json.loads(line) for _, line in zip(range(n), f)]

@@ -108,10 +108,9 @@ def measure_step(step_fn, warmup: int, steps: int, device: str, max_steps: int |
 def run_bench(cfg: TuneConfig, name: str = "", verbose: bool = True, memory_cap_gb: float | None = None) -> dict:
     """Build the model of `cfg`, time its training step, and return a result dict (see module docstring).
     `memory_cap_gb` records the allocator cap the caller set (it sets none itself)."""
+    from tunekit import distributed
     from tunekit import train as tr
     from tunekit.model import count_parameters
-
-    from tunekit import distributed
 
     cfg.validate()  # fields may have been set after construction
     device, dtype = tr.resolve_runtime(cfg)
@@ -193,7 +192,8 @@ def run_train_loop(cfg: TuneConfig, name: str = "", verbose: bool = True) -> dic
     import shutil
     import tempfile
 
-    from tunekit import distributed, train as tr
+    from tunekit import distributed
+    from tunekit import train as tr
 
     cfg.validate()
     steps = cfg.bench_max_steps

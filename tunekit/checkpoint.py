@@ -63,14 +63,21 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def temp_path(final: str | os.PathLike, tag: str | None = None) -> Path:
+    """The temporary path `atomic_output` writes `final` into: `.<name>.<tag>.tmp` beside it, the tag being this
+    process's id unless given (processes that write into one temp folder together agree on a tag)."""
+    final = Path(final)
+    return final.with_name(f".{final.name}.{os.getpid() if tag is None else tag}.tmp")
+
+
 @contextlib.contextmanager
-def atomic_output(final: str | os.PathLike, keep_existing: bool = False):
-    """Yield a temporary path beside `final` (`.<name>.<pid>.tmp`) to write a file or folder into. If the
-    block finishes, rename it to `final`, replacing what is there — or, with `keep_existing` (caches), keeping
-    a copy another process finished first. If the block raises, nothing is left behind."""
+def atomic_output(final: str | os.PathLike, keep_existing: bool = False, tag: str | None = None):
+    """Yield a temporary path beside `final` (`temp_path`) to write a file or folder into. If the block
+    finishes, rename it to `final`, replacing what is there — or, with `keep_existing` (caches), keeping a copy
+    another process finished first. If the block raises, nothing is left behind."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+    tmp = temp_path(final, tag)
     _remove(tmp)
     try:
         yield tmp
@@ -147,30 +154,29 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model, optimizer, sch
     run_dir = Path(run_dir)
     final = run_dir / f"ckpt-{step:07d}"
     sharded, main = distributed.is_sharded(model), distributed.is_main()
-    if sharded:
-        tmp = final.with_name(f".{final.name}.sharded.tmp")  # one name every rank knows
-        if main:
-            _check_writable(run_dir)
-            _remove(tmp)
-            tmp.mkdir(parents=True)
-        distributed.barrier()
-        distributed.save_sharded(model, optimizer, tmp / "sharded")  # collective: each rank its own files
-        distributed.barrier()
-        if main:
-            try:
-                _finish_checkpoint(tmp, final, {"scheduler": scheduler.state_dict(), "rng": rng_state(),
-                                                "data": data_state, "step": step, "sharded": True}, step, data_state)
-            finally:
-                _remove(tmp)
-    elif main:
+    if main:
         _check_writable(run_dir)
-        with atomic_output(final) as tmp:
+    # Sharded, every rank writes into the one temp folder rank 0 renames: a name they all know.
+    tag = "sharded" if sharded else None
+    with atomic_output(final, tag=tag) if main else contextlib.nullcontext(temp_path(final, tag)) as tmp:
+        if main:
             tmp.mkdir()
+        state = {"scheduler": scheduler.state_dict(), "rng": rng_state(), "data": data_state, "step": step}
+        if sharded:
+            distributed.barrier()
+            distributed.save_sharded(model, optimizer, tmp / "sharded")  # collective: each rank its own files
+            distributed.barrier()
+            state["sharded"] = True
+        elif main:
             torch.save(trainable_state_dict(model), tmp / "trainable.pt")
             if hasattr(model, "peft_config"):  # also a standard PEFT adapter folder, loadable with PeftModel
                 model.save_pretrained(tmp / "adapter")
-            _finish_checkpoint(tmp, None, {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                                           "rng": rng_state(), "data": data_state, "step": step}, step, data_state)
+            state["optimizer"] = optimizer.state_dict()
+        if main:  # last: state.pt, then meta.json with every file's size and sha256
+            torch.save(state, tmp / "state.pt")
+            files = {str(f.relative_to(tmp)): {"sha256": _sha256(f), "bytes": f.stat().st_size}
+                     for f in sorted(tmp.rglob("*")) if f.is_file()}
+            (tmp / META).write_text(json.dumps({"step": step, "data": data_state, "files": files}, indent=1) + "\n")
     if main:
         atomic_write_text(run_dir / LATEST, final.name + "\n")
         old = [p for p in checkpoints(run_dir) if p != final]
@@ -178,18 +184,6 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model, optimizer, sch
             shutil.rmtree(p, ignore_errors=True)
     distributed.barrier()  # the other ranks go on once the checkpoint is complete
     return final
-
-
-def _finish_checkpoint(tmp: Path, final: Path | None, state: dict, step: int, data_state: dict) -> None:
-    """Write `state.pt` and `meta.json` (every file's size and sha256) into `tmp`; rename it to `final` if
-    given (otherwise `atomic_output` does)."""
-    torch.save(state, tmp / "state.pt")
-    files = {str(f.relative_to(tmp)): {"sha256": _sha256(f), "bytes": f.stat().st_size}
-             for f in sorted(tmp.rglob("*")) if f.is_file()}
-    (tmp / META).write_text(json.dumps({"step": step, "data": data_state, "files": files}, indent=1) + "\n")
-    if final is not None:
-        _remove(final)
-        os.replace(tmp, final)
 
 
 def _sha256(path: Path) -> str:
@@ -267,6 +261,13 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     return find_checkpoint(run_dir)[0]
 
 
+def _load_file(path: Path, weights_only: bool):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=weights_only)
+    except Exception as e:  # noqa: BLE001 - torch.load fails in many ways on a damaged file
+        raise CheckpointError(f"cannot load checkpoint file {path}: {type(e).__name__}: {e}") from None
+
+
 def load_checkpoint(path: str | os.PathLike, model, optimizer, scheduler, verify: bool = True) -> dict:
     """Restore weights, optimizer, scheduler and RNG from `path`; return the saved data state and step.
     Checks every file against its recorded checksum first (`verify=False`: the caller just did)."""
@@ -280,21 +281,13 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer, scheduler, verify
             kind = "a sharded (FSDP2)" if (path / "sharded").is_dir() else "a single-process or DDP"
             raise CheckpointError(f"{path} was written by {kind} run; resume it the same way (--parallel and "
                                   "the launch)")
-        try:
-            state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
-        except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"cannot load checkpoint file {path / 'state.pt'}: {type(e).__name__}: {e}") from None
+        state = _load_file(path / "state.pt", weights_only=False)
         distributed.load_sharded(model, optimizer, path / "sharded")
         scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
         return {"step": state["step"], "data": state["data"]}
-    loaded = {}
-    for name, weights_only in (("trainable.pt", True), ("state.pt", False)):
-        try:  # both files are read before anything changes, so a bad one leaves the model as it was
-            loaded[name] = torch.load(path / name, map_location="cpu", weights_only=weights_only)
-        except Exception as e:  # noqa: BLE001 - torch.load fails in many ways on a damaged file
-            raise CheckpointError(f"cannot load checkpoint file {path / name}: {type(e).__name__}: {e}") from None
-    trainable, state = loaded["trainable.pt"], loaded["state.pt"]
+    # Both files are read before anything changes, so a bad one leaves the model as it was.
+    trainable, state = _load_file(path / "trainable.pt", weights_only=True), _load_file(path / "state.pt", False)
     params = dict(model.named_parameters())
     missing = [n for n in trainable if n not in params]
     if missing:

@@ -241,8 +241,11 @@ def load_sharded(model, optimizer, folder) -> None:
     """Read what `save_sharded` wrote back into the sharded model and optimizer, each rank its own shards.
     Collective."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     state = _sharded_state(model, optimizer)
     dcp.load(state, checkpoint_id=str(folder))
@@ -298,7 +301,7 @@ def run_commbench(name: str, sizes_mb=(1, 16, 64, 256), device: str = "auto") ->
     init(resolve_device(device))
     if world_size() < 2:
         raise RuntimeError("commbench measures an all-reduce between processes: launch it with torchrun "
-                       "--nproc_per_node 2 (or more) -m tunekit.cli commbench")
+                           "--nproc_per_node 2 (or more) -m tunekit.cli commbench")
     rows = allreduce_bandwidth(sizes_mb)
     if not is_main():
         return None
