@@ -168,3 +168,101 @@ def test_find_micro_batch_under_a_cap(tmp_path):
     assert 1 <= r["micro_batch"] < 64 and r["peak_memory_gb"] <= 3.0
     assert r["grad_accum"] * r["micro_batch"] >= 64
     assert any(not t["fits"] for t in r["trials"])  # it found the edge, not the limit
+
+
+# ---- lesson 4's switches, each against the plain path ------------------------------------------------------
+
+
+def built_step_result(cfg, steps: int = 1):
+    """(loss, gradients, peak GB) of one micro-step through what `build_training` builds (so compiled, with
+    Liger or FP8 as the config says); `steps` > 1 runs that many calls first (a compiled step's first
+    call compiles)."""
+    from tunekit.attention import sdpa_context
+
+    device, dtype = train.resolve_runtime(cfg)
+    torch.manual_seed(0)
+    model, _, _, opts = train.build_training(cfg, cfg.vocab_size, device, dtype, 100, verbose=False)
+    b = train.to_device(random_batch(cfg), device)
+    n = train.count_targets([b])
+    with sdpa_context(opts["sdpa_backends"]):
+        for _ in range(steps):
+            model.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            loss = train.micro_step(model, b, n, None, step_module=opts["step_module"])
+    peak = (torch.cuda.max_memory_allocated() - base) / 1e9
+    grads = {n: p.grad.float().cpu() for n, p in model.named_parameters() if p.requires_grad}
+    return loss.item(), grads, peak
+
+
+@pytest.mark.parametrize("mode", ["regional", "model"])
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_compiled_step_matches_eager_on_gpu(method, mode, tmp_path, monkeypatch):
+    if method == "qlora":
+        pytest.importorskip("bitsandbytes")
+        monkeypatch.setenv("TUNEKIT_CACHE", str(tmp_path / "cache"))
+    cfg = config.tiny(**MID, method=method, grad_ckpt=method == "qlora", device="cuda", out_dir=str(tmp_path))
+    eager = built_step_result(cfg)
+    compiled = built_step_result(config.tiny(**{**config.config_dict(cfg), "compile": mode}), steps=2)
+    assert_same(eager, compiled)
+
+
+def test_liger_kernels_and_loss_match_the_plain_path(tmp_path):
+    pytest.importorskip("liger_kernel")
+    cfg = config.tiny(**MID, device="cuda", out_dir=str(tmp_path))
+    liger = config.tiny(**{**config.config_dict(cfg), "kernels": "liger", "loss": "liger"})
+    assert_same(built_step_result(cfg), built_step_result(liger))
+
+
+def test_fp8_stays_near_bf16(tmp_path):
+    """FP8 rounds each matmul's inputs to 3 mantissa bits (e4m3): the loss within 1%, each LoRA gradient within
+    15% (relative L2) of the bf16 step's. Under compile, as it is meant to run."""
+    from tunekit import speedups
+
+    if why := speedups.fp8_available():
+        pytest.skip(why)
+    cfg = config.tiny(**MID, device="cuda", out_dir=str(tmp_path), compile="regional")
+    bf16 = built_step_result(cfg, steps=2)
+    fp8 = built_step_result(config.tiny(**{**config.config_dict(cfg), "fp8": True}), steps=2)
+    (l0, g0, _), (l1, g1, _) = bf16, fp8
+    assert abs(l1 - l0) / l0 < 1e-2, (l0, l1)
+    errors = {n: float((g1[n] - g0[n]).norm() / g0[n].norm()) for n in g0}
+    assert max(errors.values()) < 0.15, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+
+
+@pytest.mark.parametrize("name", ["adamw8bit", "paged_adamw", "paged_adamw8bit", "lion8bit", "lion_pytorch"])
+def test_gpu_optimizers_step_and_keep_their_formula_of_state(name):
+    """Each steps; its state is the formula's bytes per parameter, within 5% (8-bit block scales, and
+    bitsandbytes keeps tensors under 4096 values in 32 bits)."""
+    from tunekit import speedups
+
+    pytest.importorskip("lion_pytorch" if name == "lion_pytorch" else "bitsandbytes")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 512)).cuda()
+    opt = speedups.build_optimizer(model, 1e-3, 0.0, "cuda", name)
+    before = model[0].weight.detach().clone()
+    model(torch.randn(8, 1024, device="cuda")).square().sum().backward()
+    opt.step()
+    assert not torch.equal(before, model[0].weight)
+    n = sum(p.numel() for p in model.parameters())
+    expected = speedups.state_bytes_per_param(name, 4) * n
+    assert abs(speedups.optimizer_state_bytes(opt) - expected) / expected < 0.05, (speedups.optimizer_state_bytes(opt), expected)
+
+
+def test_lion8bit_tracks_lion(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    losses = {}
+    for opt in ("lion", "lion8bit"):
+        cfg = config.tiny(**{**MID, "num_layers": 2, "max_length": 256}, optimizer=opt, device="cuda", lr=1e-4,
+                          out_dir=str(tmp_path / opt))
+        device, dtype = train.resolve_runtime(cfg)
+        torch.manual_seed(0)
+        model = train.build_training_model(cfg, cfg.vocab_size, device, dtype, verbose=False)
+        optim = train.build_optimizer(model, cfg.lr, 0.0, device, opt)
+        sched = train.build_scheduler(optim, 1, 100, 1.0)
+        b = train.to_device(random_batch(cfg), device)
+        losses[opt] = [train.train_step(model, [b], optim, sched, 1.0, **train.step_options(cfg, device, dtype))["loss"].item()
+                       for _ in range(30)]
+    assert losses["lion"][-1] < 0.9 * losses["lion"][0]
+    assert abs(losses["lion8bit"][-1] - losses["lion"][-1]) / losses["lion"][-1] < 0.05, losses

@@ -942,3 +942,35 @@ def test_accumulation_check_shows_the_mean_of_means_is_off(samples, tokenizer):
     out = train.accumulation_check(model, micro)
     assert out["targets_per_micro_batch"][0] != out["targets_per_micro_batch"][1]
     assert out["exact"] < 1e-5 < 1e-2 < out["mean_of_means"], out
+
+
+def test_held_out_rows_give_an_eval_loss_that_a_resume_keeps(tmp_path, small_data):
+    """`eval_split` holds out rows (the same ones on resume), never trains on them, and reports their mean token
+    loss every `eval_every` steps and at the end; it equals the loss of those rows computed directly."""
+    kw = dict(data=str(small_data), max_steps=6, batch_size=4, max_length=128, warmup_steps=1, eval_split=0.2,
+              eval_every=3, packing="pad", **SMALL_ARCH)
+    whole = train.train(config.tiny(out_dir=str(tmp_path / "a"), **kw), progress=False)
+    rows = [r for r in train.read_metrics(tmp_path / "a") if "eval_loss" in r]
+    assert [r["step"] for r in rows] == [3, 6] and [s for s, _ in whole["eval_losses"]] == [3, 6]
+    assert whole["eval_loss"] == pytest.approx(rows[-1]["eval_loss"], abs=1e-6)
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["eval_loss"] == whole["eval_loss"]
+    cfg = config.tiny(out_dir=str(tmp_path / "b"), **{**kw, "save_every": 3})
+    train.train(cfg, stop_after=3, progress=False)
+    resumed = train.train(cfg, resume=True, progress=False)
+    assert resumed["eval_loss"] == pytest.approx(whole["eval_loss"], rel=1e-5)
+    # `evaluate` is the held-out rows' mean token loss, as the plain logits give it one row at a time
+    tokenizer, ds, _ = train.prepare(cfg, verbose=False)
+    train_rows, held = train.split_eval(ds, cfg)
+    assert len(held) == round(0.2 * len(ds)) and len(train_rows) + len(held) == len(ds)
+    model, _, _, opts = train.build_training(cfg, len(tokenizer), "cpu", torch.float32, 10, verbose=False)
+    got = train.evaluate(opts["step_module"], model, held, cfg, tokenizer.pad_token_id, "cpu")
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for row in held:
+            ids, labels = torch.tensor([row["input_ids"]]), torch.tensor([row["labels"]])
+            logits = model(input_ids=ids).logits[0, :-1]
+            total += float(torch.nn.functional.cross_entropy(logits, labels[0, 1:], reduction="sum"))
+            count += int((labels[0, 1:] != -100).sum())
+    assert got == pytest.approx(total / count, rel=1e-5) and model.training
+    with pytest.raises(config.ConfigError, match="eval_every"):
+        config.tiny(eval_every=5)

@@ -22,13 +22,14 @@ MFU (model FLOPs utilisation, https://arxiv.org/abs/2204.02311 appendix B) count
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from tunekit import estimate, memory
+from tunekit import estimate, memory, speedups
 from tunekit.config import TuneConfig, config_dict
 from tunekit.results import gpu_name, new_result, reusable, save_result
 
@@ -89,13 +90,17 @@ def spread(times: list[float]) -> float:
 
 
 def measure_step(step_fn, warmup: int, steps: int, device: str, max_steps: int | None = None,
-                 target_error: float = 0.0) -> list[float]:
+                 target_error: float = 0.0, warmup_times: list | None = None) -> list[float]:
     """Seconds per call of `step_fn`: `warmup` untimed calls, then at least `steps` timed ones, and more (up
-    to `max_steps`) while the median's relative standard error is above `target_error`."""
+    to `max_steps`) while the median's relative standard error is above `target_error`. The warm-up calls'
+    own seconds (the first one compiles, under --compile) are appended to `warmup_times` when given."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for _ in range(warmup):
+        t0 = time.perf_counter()
         step_fn()
-    sync()
+        sync()
+        if warmup_times is not None:
+            warmup_times.append(time.perf_counter() - t0)
     times: list[float] = []
     while len(times) < steps or (len(times) < (max_steps or steps) and median_error(times) > target_error):
         t0 = time.perf_counter()
@@ -103,6 +108,20 @@ def measure_step(step_fn, warmup: int, steps: int, device: str, max_steps: int |
         sync()
         times.append(time.perf_counter() - t0)
     return times
+
+
+def compile_cache_state() -> dict:
+    """Where inductor keeps its compiled kernels and whether that cache held anything yet (`cold`: a first
+    compile; `warm`: one that reads earlier kernels back). Set TORCHINDUCTOR_CACHE_DIR to an empty folder for
+    a cold measurement."""
+    import getpass
+    import os
+    import tempfile
+
+    folder = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or
+                  Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")  # inductor's default
+    cold = not folder.exists() or not any(folder.iterdir())
+    return {"dir": str(folder), "state": "cold" if cold else "warm"}
 
 
 def run_bench(cfg: TuneConfig, name: str = "", verbose: bool = True, memory_cap_gb: float | None = None) -> dict:
@@ -138,9 +157,12 @@ def run_bench(cfg: TuneConfig, name: str = "", verbose: bool = True, memory_cap_
     # way, and a random-init model is built in bf16 first.
     load_peak, _ = memory.peak_memory_gb(device)
     memory.reset_peak_memory(device)
+    cache = compile_cache_state() if cfg.compile != "none" else None  # before anything compiles
+    warmup_times: list[float] = []
     try:
-        times = measure_step(step, cfg.bench_warmup, cfg.bench_steps, device, cfg.bench_max_steps,
-                             cfg.bench_target_error)
+        with speedups.tf32(cfg.tf32) if device == "cuda" else contextlib.nullcontext():
+            times = measure_step(step, cfg.bench_warmup, cfg.bench_steps, device, cfg.bench_max_steps,
+                                 cfg.bench_target_error, warmup_times)
     except torch.OutOfMemoryError:
         raise RuntimeError(oom_advice(cfg)) from None
     alloc, reserved = memory.peak_memory_gb(device)
@@ -163,7 +185,10 @@ def run_bench(cfg: TuneConfig, name: str = "", verbose: bool = True, memory_cap_
         median_error=round(median_error(times), 4), step_times_s=[round(t, 5) for t in times],
         tokens_per_step=tokens, model_tflops_per_s=round(achieved / 1e12, 2),
         mfu=round(achieved / peak, 4) if peak else None, params_total=total, params_trainable=trainable,
-        build_s=round(build_s, 1), weights=cfg.model or "random-init",
+        build_s=round(build_s, 1), first_step_s=round(warmup_times[0], 2) if warmup_times else None,
+        warmup_step_times_s=[round(t, 3) for t in warmup_times], compile_cache=cache,
+        optimizer_state_gb=round(speedups.optimizer_state_bytes(optimizer) / 1e9, 4),
+        weights=cfg.model or "random-init",
         data="random token ids, every position a target" + (
             f"; rows packed with {PACKED_DOCS} samples each" if cfg.packing == "pack" else ""),
     )

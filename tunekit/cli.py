@@ -70,6 +70,14 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-loop", action="store_true", help="time `tunekit train` itself on the config's real "
                    "data (its batches, DataLoader and logging) for --bench-max-steps steps, not the bare step on "
                    "random tokens; tok/s counts real tokens (default name train_<preset>)")
+    p = sub.add_parser("converge", help="train once per optimizer and learning rate; compare held-out losses",
+                       description="Lesson 4: the same model, data and seed trained with each optimizer at each "
+                       "learning rate of --sweep; every run's loss curves into one result JSON.", **common)
+    p.add_argument("--preset", default="tiny", help=f"one of {', '.join(PRESETS)} (default tiny)")
+    p.add_argument("--sweep", required=True, help="OPTIMIZER=LR,LR;OPTIMIZER=LR,... e.g. "
+                   "'adamw=3e-4,1e-3;lion=3e-5,1e-4'")
+    p.add_argument("--name", default="converge", help="result name (default converge)")
+    p.add_argument("--out", default="runs/bench", help="a .json file or a folder (default runs/bench)")
     p = sub.add_parser("databench", help="lesson 1's data measurements (train | loader | read)",
                        description="train: C1, GPU wait and packing on the preset's model; loader: DataLoader "
                        "knob sweep; read: RAM vs memory-mapped vs JSONL.", **common)
@@ -206,6 +214,12 @@ def _main(argv: list[str] | None = None) -> int:
 
             if distributed.is_main():  # under torchrun, rank 0 writes the result (tok/s per GPU)
                 print(f"result -> {save_result(result, args.out)}")
+        elif args.command == "converge":
+            from tunekit.results import save_result
+            from tunekit.speedups import parse_sweep, run_convergence
+
+            result = run_convergence(cfg, parse_sweep(args.sweep), args.name)
+            print(f"result -> {save_result(result, args.out)}")
         elif args.command == "fit":
             from tunekit.bench import find_micro_batch
             from tunekit.results import save_result

@@ -21,8 +21,12 @@ DTYPES = ("auto", "bf16", "fp16", "fp32")
 ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention")
 PACKING = ("auto", "pad", "group", "pack")
 DEVICES = ("auto", "cpu", "cuda")
-LOSSES = ("chunked", "plain")
-OPTIMIZERS = ("adamw", "adamw8bit", "lion")
+LOSSES = ("chunked", "plain", "liger")
+# speedups.OPTIMIZER_NOTES says what each is
+OPTIMIZERS = ("adamw", "adamw_foreach", "adamw8bit", "paged_adamw", "paged_adamw8bit", "lion", "lion_pytorch",
+              "lion8bit")
+COMPILE = ("none", "regional", "model")
+KERNELS = ("none", "liger")
 SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
 PARALLEL = ("auto", "ddp", "fsdp")
 
@@ -152,11 +156,15 @@ class TuneConfig:
     # ---- optimisation ----------------------------------------------------------------------------
     loss: str = "chunked"
     """`chunked`: LM head and cross-entropy fused, 1k tokens at a time, never holding the logits (see
-    tunekit/loss.py). `plain`: `model(...).logits` then `F.cross_entropy`, the reference."""
+    tunekit/loss.py). `plain`: `model(...).logits` then `F.cross_entropy`, the reference. `liger`: Liger's
+    fused linear cross-entropy (Triton; GPU only)."""
     optimizer: str = "adamw"
-    """`adamw` (fp32 states for fp32 adapters; fused kernel on CUDA), `adamw8bit` (bitsandbytes
-    block-wise 8-bit states: 2 bytes a parameter instead of 8; CUDA only) or `lion` (one state a parameter;
-    give it about a tenth of AdamW's --lr and ten times its --weight-decay: speedups.lion_settings)."""
+    """`adamw` (states in the parameter's dtype: fp32 for fp32 adapters; fused kernel on CUDA), `adamw_foreach`
+    (torch's multi-tensor kernels), `adamw8bit` (bitsandbytes block-wise 8-bit states: 2 bytes a parameter
+    instead of 8; CUDA only), `paged_adamw` / `paged_adamw8bit` (bitsandbytes, states in CUDA unified memory
+    that pages to the CPU under memory pressure), `lion` (tunekit's: one state a parameter; give it about a
+    tenth of AdamW's --lr and ten times its --weight-decay: speedups.lion_settings), `lion_pytorch` (the
+    lion-pytorch package's) or `lion8bit` (bitsandbytes). Lesson 4 measures them."""
     batch_size: int = 16
     """Micro-batch: samples per forward/backward."""
     grad_accum: int = 1
@@ -180,6 +188,29 @@ class TuneConfig:
     epochs: float = 0.0
     """When above 0, the run length in passes over the data (1.5 is allowed): `max_steps` is computed from the
     prepared data (rows, or packed rows, per optimizer step) and recorded in the run's config.json."""
+
+    # ---- speed-ups (lesson 4: tunekit/speedups.py) ------------------------------------------------
+    tf32: bool = True
+    """Let fp32 matmuls and convolutions use TF32 tensor cores on Ampere and later GPUs (10-bit mantissa).
+    Under bf16 autocast only what stays fp32 is touched. No effect on CPU."""
+    compile: str = "none"
+    """`torch.compile`: `regional` (each decoder block; they share one compiled graph, so it compiles in
+    seconds), `model` (the whole step, model and loss: longer to compile; not under FSDP2) or `none`. Padded
+    batches are rounded up to a multiple of 64 tokens when compiling, so a run sees few shapes."""
+    kernels: str = "none"
+    """`liger`: Liger's fused Triton kernels for RMSNorm, RoPE and SwiGLU (GPU only; pair with --loss liger
+    for its fused linear cross-entropy). `none`: the model's own."""
+    fp8: bool = False
+    """torchao float8 training (rowwise scales) for the large linear layers: FP8 tensor-core matmuls on
+    Hopper/Ada GPUs, weights kept bf16. Pays off with --compile (the casts fuse); GPU only."""
+
+    # ---- held-out loss ------------------------------------------------------------------------------
+    eval_split: float = 0.0
+    """Hold out this fraction of the prepared rows (samples, or packed rows), chosen by `seed`, and report
+    the mean token loss on them: every `eval_every` steps and at the end, in the metrics rows (`eval_loss`)
+    and summary.json. 0: train on everything, no held-out loss."""
+    eval_every: int = 0
+    """Steps between held-out evaluations (0: at the end only). Needs `eval_split`."""
 
     # ---- logging and checkpoints -----------------------------------------------------------------
     log_every: int = 1
@@ -218,6 +249,8 @@ class TuneConfig:
         need(self.loss in LOSSES, "loss", f"choose one of {', '.join(LOSSES)}")
         need(self.optimizer in OPTIMIZERS, "optimizer", f"choose one of {', '.join(OPTIMIZERS)}")
         need(self.parallel in PARALLEL, "parallel", f"choose one of {', '.join(PARALLEL)}")
+        need(self.compile in COMPILE, "compile", f"choose one of {', '.join(COMPILE)}")
+        need(self.kernels in KERNELS, "kernels", f"choose one of {', '.join(KERNELS)}")
         names = [b.strip() for b in self.sdpa_backend.split(",")]
         need(self.sdpa_backend == "auto" or (all(names) and set(names) <= set(SDPA_BACKENDS)), "sdpa_backend",
              f"use auto or a comma-separated list of {', '.join(SDPA_BACKENDS)}")
@@ -225,6 +258,8 @@ class TuneConfig:
              "offloads what checkpointing saves; turn on --grad-ckpt too")
         need(self.method != "full" or not self.embed_offload, "embed_offload",
              "only a frozen embedding table can live on the CPU; use it with --method lora or qlora")
+        need(self.method != "qlora" or not self.fp8, "fp8", "converts bf16 linear layers; QLoRA's base layers are "
+             "4-bit: use it with --method lora or full")
         need(self.method == "qlora" or not self.peft_kbit_prepare, "peft_kbit_prepare",
              "applies to 4-bit models only; use it with --method qlora")
         need(self.prefetch_factor > 0, "prefetch_factor", "must be a positive integer")
@@ -250,6 +285,9 @@ class TuneConfig:
         need(self.lr > 0, "lr", "must be positive")
         need(math.isfinite(self.epochs) and self.epochs >= 0, "epochs", "must be zero (use max_steps) or a positive number")
         need(math.isfinite(self.lr), "lr", "must be a finite number")
+        need(0 <= self.eval_split < 1, "eval_split", "a fraction of the rows: at least 0, below 1")
+        need(self.eval_every >= 0, "eval_every", "must be zero (at the end only) or positive")
+        need(self.eval_split > 0 or not self.eval_every, "eval_every", "evaluates held-out rows: set --eval-split too")
         need(self.keep_checkpoints >= 1, "keep_checkpoints", "must be at least 1")
         need(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be between 0 and 1")
         need(0 <= self.lora_dropout < 1, "lora_dropout", "must be in [0, 1)")
@@ -308,17 +346,34 @@ def llama7b_qlora_lowmem(**overrides) -> TuneConfig:
                                     batch_size=1), **overrides})
 
 
+def llama1b_full(**overrides) -> TuneConfig:
+    """A 1.1B Llama (TinyLlama's shape: 22 layers of width 2048, 4 key/value heads), every weight trained in
+    bf16, seq 2048, batch 4: lesson 4's optimizer measurements (the states of every parameter count)."""
+    return TuneConfig(**{**_llama7b(preset="llama1b_full", method="full", hidden_size=2048, num_layers=22,
+                                    num_heads=32, num_kv_heads=4, intermediate_size=5632, lr=1e-4), **overrides})
+
+
+def shakespeare(**overrides) -> TuneConfig:
+    """A 10M-parameter Llama trained from scratch on tinyshakespeare (1 MB of text; BPE of 1,024 tokens trained
+    on it), 5% held out: lesson 4's optimizer convergence. Minutes on a GPU."""
+    return TuneConfig(**{**dict(preset="shakespeare", method="full", data="tinyshakespeare", hidden_size=384,
+                                num_layers=6, num_heads=6, intermediate_size=1024, tokenizer_vocab=1024,
+                                max_length=256, batch_size=32, lr=1e-3, weight_decay=0.1, warmup_steps=50,
+                                max_steps=600, eval_split=0.05, eval_every=50, log_every=1, num_workers=2),
+                         **overrides})
+
+
 PRESETS: dict[str, typing.Callable[..., TuneConfig]] = {
     "tiny": tiny, "llama7b_lora": llama7b_lora, "llama7b_qlora": llama7b_qlora,
-    "llama7b_qlora_lowmem": llama7b_qlora_lowmem,
+    "llama7b_qlora_lowmem": llama7b_qlora_lowmem, "llama1b_full": llama1b_full, "shakespeare": shakespeare,
 }
-GPU_PRESETS = ("llama7b_lora", "llama7b_qlora", "llama7b_qlora_lowmem")
+GPU_PRESETS = ("llama7b_lora", "llama7b_qlora", "llama7b_qlora_lowmem", "llama1b_full")
 # Fields a resumed run may change (`tunekit train --resume --allow-config-change`): none of them touches the
 # weights, the data order or the optimizer state. A new `max_steps` recomputes the cosine schedule for the new
 # length (as a new `epochs` does), so the learning rate jumps at the resumed step; the benchmark fields are not
 # read by training.
 RESUME_SAFE_FIELDS = ("max_steps", "epochs", "save_every", "log_every", "keep_checkpoints", "num_workers", "pin_memory",
-                      "prefetch_factor", "persistent_workers", "cpu_threads", "bench_warmup", "bench_steps",
+                      "compile", "tf32", "eval_every", "prefetch_factor", "persistent_workers", "cpu_threads", "bench_warmup", "bench_steps",
                       "bench_max_steps", "bench_target_error")
 
 

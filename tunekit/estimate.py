@@ -65,6 +65,7 @@ import statistics
 
 from tunekit.config import OPTIMIZERS
 from tunekit.loss import chunk_tokens
+from tunekit.speedups import state_bytes_per_param
 
 # ---- the parts of the peak ----------------------------------------------------------------------------
 
@@ -200,7 +201,7 @@ def estimate_memory(hidden: int, layers: int, heads: int, kv_heads: int, interme
     if embed_offload:  # the input table and the LM head live in CPU memory
         weights -= 2 * other_bytes * vocab * hidden
     trainable, train_bytes = (linear + other, weight_dtype_bytes) if method == "full" else (lora, 4)
-    states = {"adamw": 2 * train_bytes, "adamw8bit": 2, "lion": train_bytes}[optimizer]  # (8-bit scales: ~0.1%)
+    states = state_bytes_per_param(optimizer, train_bytes)  # (8-bit block scales: ~0.1%, left out)
     parts = {
         "weights": weights,
         "lora": 4 * lora,

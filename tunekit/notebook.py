@@ -41,26 +41,29 @@ def pick_preset(gpu_preset: str) -> str:
 
 
 # (GPU value, its CPU stand-in); FlexAttention has no backward on CPU
-GPU_ONLY = {"method": ("qlora", "lora"), "optimizer": ("adamw8bit", "adamw"), "attention": ("flex_attention", "sdpa")}
+GPU_ONLY = {"method": ("qlora", "lora"), "attention": ("flex_attention", "sdpa"), "kernels": ("liger", "none"),
+            "loss": ("liger", "chunked"), "fp8": (True, False)}
+GPU_ONLY_OPTIMIZERS = {"adamw8bit": "adamw", "paged_adamw": "adamw", "paged_adamw8bit": "adamw", "lion8bit": "lion"}
 
 
 def config_for(gpu_preset: str, **overrides):
     """The config a notebook cell measures: `gpu_preset` with `overrides` on a GPU; on CPU (smoke mode) the
     tiny preset with the same switches, at most batch 8 x 128 tokens, and the GPU-only ones swapped for
-    their stand-ins (QLoRA -> LoRA and 8-bit AdamW -> AdamW: bitsandbytes needs CUDA; FlexAttention ->
-    SDPA: flex has no backward on CPU), so every cell runs."""
+    their stand-ins (QLoRA -> LoRA and bitsandbytes' optimizers -> torch's: bitsandbytes needs CUDA;
+    FlexAttention -> SDPA: flex has no backward on CPU; Liger and FP8 off: GPU kernels), so every cell runs."""
     from tunekit.config import get_preset, tiny
 
     if on_gpu():
         return get_preset(gpu_preset, **overrides)
     gpu_fields = get_preset(gpu_preset)
     keep = ("method", "grad_ckpt", "grad_ckpt_offload", "embed_offload", "optimizer", "loss", "lora_input_cast",
-            "attention", "sdpa_backend", "batch_size", "packing")
+            "attention", "sdpa_backend", "batch_size", "packing", "compile", "kernels", "fp8", "tf32")
     kw = {k: getattr(gpu_fields, k) for k in keep}
     kw.update({k: v for k, v in overrides.items() if k in keep or k.startswith("bench_")})
     for field, (gpu_value, cpu_value) in GPU_ONLY.items():
         if kw.get(field) == gpu_value:
             kw[field] = cpu_value
+    kw["optimizer"] = GPU_ONLY_OPTIMIZERS.get(kw["optimizer"], kw["optimizer"])
     kw["batch_size"] = min(kw["batch_size"], 8)
     return tiny(**kw, vocab_size=1024, max_length=128, out_dir=str(REPO_ROOT / "runs" / "smoke"))
 

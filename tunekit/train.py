@@ -36,12 +36,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tunekit import batching, checkpoint, data, distributed, memory, stopping
+from tunekit import batching, checkpoint, data, distributed, memory, speedups, stopping
 from tunekit import loss as loss_fn
 from tunekit import model as mdl
 from tunekit.attention import choose_attention, sdpa_backends, sdpa_context
 from tunekit.config import GPU_PRESETS, TuneConfig, save_config
-from tunekit.stopping import Diverged, Interrupted, read_metrics  # noqa: F401  (the run's API: train.Diverged, ...)
+from tunekit.speedups import build_optimizer  # noqa: F401  (the run's API: train.build_optimizer, ...)
+from tunekit.stopping import Diverged, Interrupted, read_metrics  # noqa: F401  (train.Diverged, ...)
 
 # ---- building the pieces from a config ---------------------------------------------------------------
 
@@ -151,10 +152,14 @@ def build_training_model(cfg: TuneConfig, vocab_size: int, device: str, dtype: t
             model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     else:
         model = mdl.build_model(arch, cfg.model, dtype, device, attn, cfg.seed)
+    # Model code stays single-device and eager; what changes its kernels comes here, before the adapters.
+    kernels = speedups.apply_liger(model) if cfg.kernels == "liger" else []
     if cfg.method in ("lora", "qlora"):
         torch.manual_seed(cfg.seed + 1)
         model = mdl.apply_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets,
                                cast_input=cfg.lora_input_cast)
+    if cfg.fp8:  # the base layers (LoRA's own adapters stay bf16/fp32)
+        kernels.append(f"float8 rowwise in {speedups.apply_fp8(model)} linear layers")
     if cfg.grad_ckpt:
         memory.apply_gradient_checkpointing(model, offload=cfg.grad_ckpt_offload)
     if cfg.embed_offload:
@@ -163,8 +168,10 @@ def build_training_model(cfg: TuneConfig, vocab_size: int, device: str, dtype: t
             torch.cuda.empty_cache()
     model.train()
     memory.check_checkpointing(model, cfg.grad_ckpt)
-    if cfg.loss == "chunked" and (blocker := loss_fn.fused_loss_blocker(model)):
-        raise ValueError(f"config field 'loss' = 'chunked': {blocker}; use --loss plain for this model.")
+    if cfg.loss != "plain" and (blocker := loss_fn.fused_loss_blocker(model)):
+        raise ValueError(f"config field 'loss' = {cfg.loss!r}: {blocker}; use --loss plain for this model.")
+    if cfg.loss == "liger" and (why := speedups.liger_available()):
+        raise RuntimeError(f"config field 'loss' = 'liger': {why}; use --loss chunked (tunekit's own fused loss).")
     if verbose:
         trainable, total = mdl.count_parameters(model)
         source = cfg.model or "random init (no pretrained knowledge: speed and memory match real weights, the loss starts from noise)"
@@ -172,6 +179,8 @@ def build_training_model(cfg: TuneConfig, vocab_size: int, device: str, dtype: t
         ckpt = ("on, offloaded to CPU" if cfg.grad_ckpt_offload else "on") if cfg.grad_ckpt else "off"
         print(f"attention: {why}; {sdpa_backends(cfg.sdpa_backend, device)[1]}")
         print(f"dtype {dtype}; checkpointing {ckpt}; loss {cfg.loss}; optimizer {cfg.optimizer}; device {device}")
+        if kernels or cfg.compile != "none":
+            print(f"speed-ups: {', '.join(kernels) or 'no kernel swaps'}; compile {cfg.compile}")
     return model
 
 
@@ -186,34 +195,12 @@ def build_training(cfg: TuneConfig, vocab_size: int, device: str, dtype: torch.d
     # FSDP2 replaces the parameters with sharded ones.
     parallel = distributed.choose_parallel(cfg.parallel, cfg.method)
     options["step_module"] = distributed.parallelize(StepModule(model, cfg.loss, options["autocast_dtype"]), model,
-                                                     parallel, device, dtype, cfg.fsdp_reshard)
+                                                     parallel, device, dtype, cfg.fsdp_reshard, cfg.compile)
     if verbose and distributed.launched():
         print(f"parallel: {parallel} over {distributed.world_size()} processes")
     optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, device, cfg.optimizer)
     scheduler = build_scheduler(optimizer, cfg.warmup_steps, max_steps, cfg.min_lr_ratio)
     return model, optimizer, scheduler, options
-
-
-def build_optimizer(model, lr: float, weight_decay: float, device: str, name: str = "adamw") -> torch.optim.Optimizer:
-    """The optimizer over the trainable parameters: `adamw` (torch, fused into one kernel on CUDA), `adamw8bit`
-    (bitsandbytes: states quantized block-wise to 8 bits, https://arxiv.org/abs/2110.02861) or `lion`
-    (tunekit/speedups.py)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if name == "adamw8bit":
-        if device != "cuda":
-            raise RuntimeError("optimizer=adamw8bit needs a CUDA GPU (bitsandbytes' 8-bit optimizers); "
-                               "use --optimizer adamw on CPU.")
-        try:
-            import bitsandbytes as bnb
-        except ImportError:
-            raise RuntimeError("optimizer=adamw8bit needs bitsandbytes: pip install bitsandbytes") from None
-        return bnb.optim.AdamW8bit(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
-    if name == "lion":
-        from tunekit.speedups import Lion
-
-        return Lion(params, lr=lr, betas=(0.9, 0.99), weight_decay=weight_decay)
-    fused = device == "cuda"  # one kernel for every tensor; on CPU the default foreach path is as good
-    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, fused=fused)
 
 
 def build_scheduler(optimizer, warmup_steps: int, max_steps: int, min_lr_ratio: float):
@@ -243,7 +230,8 @@ class StepModule(torch.nn.Module):
     which would go around the hooks of a wrapped language model.
 
     Labels are shifted rather than logits sliced, which would copy the largest tensor of the step.
-    `loss="chunked"` computes the LM head and the loss together, never holding the logits (tunekit/loss.py)."""
+    `loss="chunked"` computes the LM head and the loss together, never holding the logits (tunekit/loss.py);
+    `loss="liger"` is Liger's kernel for the same."""
 
     def __init__(self, model, loss: str = "plain", autocast_dtype: torch.dtype | None = None):
         super().__init__()
@@ -256,13 +244,15 @@ class StepModule(torch.nn.Module):
         inputs = {"input_ids": input_ids, "position_ids": position_ids}
         with torch.autocast(input_ids.device.type, dtype=autocast_dtype or torch.float32,
                             enabled=autocast_dtype is not None):
-            if self.loss == "chunked":
+            if self.loss != "plain":
                 hidden, head = loss_fn.hidden_and_head(self.model, **inputs)
             else:
                 logits = self.model(**inputs, use_cache=False).logits
-        if self.loss == "chunked":
+        if self.loss != "plain":
             dtype = autocast_dtype or hidden.dtype  # the head's matmul runs in the autocast dtype, as inside
             head = head.to(hidden.device, dtype, non_blocking=True)  # (a head kept in CPU memory comes over)
+            if self.loss == "liger":
+                return speedups.liger_loss(hidden.to(dtype), head, labels, scale)
             return loss_fn.chunked_lm_loss(hidden.to(dtype), head, labels, scale)
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.reshape(-1),
                                ignore_index=data.IGNORE, reduction="sum") * scale
@@ -362,13 +352,50 @@ def batches_from(ds, cfg: TuneConfig, pad_id: int, epoch: int, start_batch: int)
                                    pin_memory=cfg.pin_memory and torch.cuda.is_available(),
                                    prefetch_factor=cfg.prefetch_factor, persistent_workers=cfg.persistent_workers,
                                    group_by_length=cfg.packing == "group",
-                                   pad_to=cfg.max_length if cfg.packing == "pack" else 0)
+                                   pad_to=cfg.max_length if cfg.packing == "pack" else 0,
+                                   pad_to_multiple_of=speedups.compile_pad_multiple(cfg.compile, cfg.packing) or 8)
     loader.worker_init_fn = functools.partial(_worker_init, loader.worker_init_fn)
     while True:
         for i, batch in enumerate(loader, start_batch):
             yield epoch, i, batch
         epoch, start_batch = epoch + 1, 0
         loader.sampler.set_epoch(epoch)
+
+
+def split_eval(ds, cfg: TuneConfig):
+    """(training rows, held-out rows or None): `eval_split` of the rows, picked by a permutation of `seed`, so
+    a resumed run holds out the same ones."""
+    if not cfg.eval_split:
+        return ds, None
+    n = max(1, round(cfg.eval_split * len(ds)))
+    order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(cfg.seed + 7)).tolist()
+    return ds.select(sorted(order[n:])), ds.select(sorted(order[:n]))
+
+
+@torch.no_grad()
+def evaluate(step_module, model, eval_ds, cfg: TuneConfig, pad_id: int, device: str, sdpa_backends=None) -> float:
+    """Mean token loss over the held-out rows, each rank its share (rows rank, rank + world, ...), summed over
+    ranks. The model is in eval mode for it and back in train mode after."""
+    rank, world = distributed.rank(), distributed.world_size()
+    rows = list(range(rank, len(eval_ds), world))
+    collate = batching.Collator(pad_id, speedups.compile_pad_multiple(cfg.compile, cfg.packing) or 8,
+                                cfg.max_length if cfg.packing == "pack" else 0)
+    columns = [c for c in ("input_ids", "labels", "position_ids") if c in eval_ds.column_names]
+    view = eval_ds.with_format(columns=columns)
+    total, count = torch.zeros((), device=device), 0
+    model.eval()
+    try:
+        with sdpa_context(sdpa_backends):
+            for i in range(0, len(rows), cfg.batch_size):
+                batch = collate([view[j] for j in rows[i:i + cfg.batch_size]])
+                batch.pop("attention_mask", None)
+                b = to_device(batch, device)
+                total += step_module(b["input_ids"], b["labels"], b.get("position_ids"), 1.0).float()
+                count += count_targets([b])
+    finally:
+        model.train()
+    total = distributed.all_reduce_sum(total)
+    return float(total) / max(1, distributed.all_reduce_sum(count))
 
 
 def _worker_init(then, worker_id: int) -> None:
@@ -442,7 +469,8 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
     run_dir = cfg.run_dir()
     say = print if progress and main else (lambda *a, **k: None)
     state = {"started": False, "signal": None, "step": 0, "checkpoint": None}  # shared with the signal handler
-    with stopping.removed_if_left_empty(run_dir), stopping.stop_requests(state):
+    with stopping.removed_if_left_empty(run_dir), stopping.stop_requests(state), \
+            speedups.tf32(cfg.tf32) if device == "cuda" else contextlib.nullcontext():
         ckpt, changes = checkpoint.open_run(run_dir, resolved, resume, overwrite, allow_config_change, say,
                                             clean=main)
         step = checkpoint.checkpoint_step(ckpt) if ckpt else 0
@@ -464,6 +492,10 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
         # Rank 0 tokenizes into the run folder; the others then read what it wrote.
         tokenizer, ds, stats = distributed.main_first(lambda: prepare(cfg, verbose=progress and main))
         say(data.preview(ds, tokenizer, stats))  # one sample as the model sees it, the masked part marked
+        ds, eval_ds = split_eval(ds, cfg)
+        if eval_ds is not None:
+            say(f"held out: {len(eval_ds)} of {len(ds) + len(eval_ds)} rows for the eval loss "
+                f"({'every ' + str(cfg.eval_every) + ' steps and ' if cfg.eval_every else ''}at the end)")
         world = distributed.world_size()
         if len(ds) // world < cfg.batch_size:  # each rank reads len(ds) // world rows
             what = "packed rows" if stats["packing"] == "pack" else "samples"
@@ -503,7 +535,7 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
         # A bar of carriage returns only on a terminal; sent to a file, the log is plain lines.
         bar = tqdm(total=cfg.max_steps, initial=step, desc="train") if progress and stopping.on_terminal() else None
         memory.reset_peak_memory(device)
-        t_last, tokens_since, losses, saved_at = time.perf_counter(), 0, [], step
+        t_last, tokens_since, losses, saved_at, eval_losses = time.perf_counter(), 0, [], step, []
         # Samples and real tokens trained on so far, counting the run this one resumes.
         seen = {k: saved["data"].get(k, 0) if ckpt else 0 for k in ("samples", "tokens")}
         position = {"epoch": epoch, "next_batch": start_batch, **seen, "world": world}  # of the last finished step
@@ -527,19 +559,31 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
                 loss, grad_norm = out["loss"].item(), float(out["grad_norm"])
                 losses.append(loss)
                 diverged = not (math.isfinite(loss) and math.isfinite(grad_norm))
-                if diverged or step % cfg.log_every == 0 or step == cfg.max_steps:
+                eval_now = eval_ds is not None and not diverged and (
+                    step == cfg.max_steps or (cfg.eval_every and step % cfg.eval_every == 0))
+                eval_s = 0.0
+                if eval_now:  # not counted in tok/s
+                    t_eval = time.perf_counter()
+                    eval_losses.append((step, evaluate(options["step_module"], model, eval_ds, cfg,
+                                                       tokenizer.pad_token_id, device, options["sdpa_backends"])))
+                    eval_s = time.perf_counter() - t_eval
+                if diverged or eval_now or step % cfg.log_every == 0 or step == cfg.max_steps:
                     now = time.perf_counter()
                     alloc, _ = memory.peak_memory_gb(device)
                     row = {"step": step, "loss": round(loss, 6), "lr": scheduler.get_last_lr()[0],
                            "grad_norm": round(grad_norm, 6), "epoch": epoch, **seen,
-                           "tok_per_s": round(tokens_since / (now - t_last), 1), "peak_mem_gb": round(alloc, 3)}
+                           "tok_per_s": round(tokens_since / (now - t_last - eval_s), 1),
+                           "peak_mem_gb": round(alloc, 3)}
+                    if eval_now:
+                        row["eval_loss"] = round(eval_losses[-1][1], 6)
                     if mf is not None:
                         mf.write(stopping.json_line(row))
                         mf.flush()
                     if bar is not None:
                         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tok_per_s']:.0f}", mem=f"{alloc:.1f}G")
                     else:
-                        say(f"step {step}/{cfg.max_steps}: loss {loss:.4f}, lr {row['lr']:.3g}, grad norm "
+                        held = f" (held-out {row['eval_loss']:.4f})" if eval_now else ""
+                        say(f"step {step}/{cfg.max_steps}: loss {loss:.4f}{held}, lr {row['lr']:.3g}, grad norm "
                             f"{grad_norm:.3g}, {row['tok_per_s']:,.0f} tok/s, peak {alloc:.2f} GB, "
                             f"{seen['samples']:,} samples seen", flush=True)
                     t_last, tokens_since = now, 0
@@ -576,7 +620,8 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
         summary = {"steps": step, "losses": losses, "final_loss": losses[-1] if losses else None,
                    "samples_seen": seen["samples"], "tokens_seen": seen["tokens"],
                    "epochs_seen": round(seen["samples"] / max(1, stats["samples"]), 4),
-                   "packing": stats["packing"], "data": stats, "run_dir": str(run_dir)}
+                   "packing": stats["packing"], "data": stats, "run_dir": str(run_dir),
+                   "eval_losses": eval_losses, "eval_loss": eval_losses[-1][1] if eval_losses else None}
         if step >= cfg.max_steps:  # (a signal now changes nothing: the run is finishing)
             checkpoint.save_checkpoint(run_dir, step, model, optimizer, scheduler, position, cfg.keep_checkpoints)
             # LoRA: the PEFT adapter folder; full fine-tuning: the whole model, loadable with from_pretrained.
