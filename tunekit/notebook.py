@@ -74,11 +74,13 @@ def results_dir() -> Path:
     return RESULTS if on_gpu() else REPO_ROOT / "runs" / "smoke-results"
 
 
-def run(*args: str, check: bool = True) -> int:
-    """Run `tunekit ARGS...` in a child process, streaming its output into the notebook."""
+def run(*args: str, check: bool = True, env: dict | None = None) -> int:
+    """Run `tunekit ARGS...` in a child process, streaming its output into the notebook; `env` adds
+    variables for this run only."""
     cmd = [sys.executable, "-m", "tunekit.cli", *map(str, args)]
-    print("$ tunekit " + " ".join(map(str, args)), flush=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}
+    extra = " ".join(f"{k}={v}" for k, v in (env or {}).items())
+    print(f"$ {extra + ' ' if extra else ''}tunekit " + " ".join(map(str, args)), flush=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1", **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     for line in proc.stdout:
         print(line, end="")
@@ -139,9 +141,111 @@ def measure(name: str, nproc: int, *args, env: dict | None = None) -> None:
         return
     args = (*args, "--name", name, "--out", out)
     if nproc == 1:
-        run(*args)
+        run(*args, env=env)
     else:
         torchrun(nproc, *args, env=env)
+
+
+def fresh_compile_cache(folder: str | Path) -> dict:
+    """Environment for a compile from a cold cache: inductor's and Triton's caches in `folder`, emptied now
+    (a second run with the same variables then compiles from a warm one)."""
+    import shutil
+
+    shutil.rmtree(folder, ignore_errors=True)
+    Path(folder).mkdir(parents=True)
+    return compile_cache(folder)
+
+
+def compile_cache(folder: str | Path) -> dict:
+    return {"TORCHINDUCTOR_CACHE_DIR": str(folder), "TRITON_CACHE_DIR": str(Path(folder) / "triton")}
+
+
+def measure_in_parallel(plan: list[tuple[str, list, str]], gpus: int) -> None:
+    """Run `measure` for each (name, args, cache) of `plan` on `gpus` GPUs at once, one run per GPU at a time
+    (CUDA_VISIBLE_DEVICES); runs sharing a `cache` key go to one GPU in order (a cold compile, then the warm
+    one), the others share what is left. For the GPU machine: a notebook runs its plan one at a time."""
+    import threading
+    from collections import deque
+
+    queues = [deque() for _ in range(gpus)]
+    by_cache: dict[str, int] = {}
+    for item in plan:
+        key = item[2].partition(":")[2]
+        if key and key in by_cache:
+            queues[by_cache[key]].append(item)
+            continue
+        i = min(range(gpus), key=lambda g: len(queues[g]))
+        queues[i].append(item)
+        if key:
+            by_cache[key] = i
+
+    def worker(gpu: int) -> None:
+        while queues[gpu]:
+            name, args, cache = queues[gpu].popleft()
+            env = {"CUDA_VISIBLE_DEVICES": str(gpu), **cache_env(cache)}
+            try:
+                measure(name, 1, *args, env=env)
+            except RuntimeError as e:  # one failed run does not stop the others; its error is printed
+                print(f"{name}: {e}")
+
+    threads = [threading.Thread(target=worker, args=(g,)) for g in range(gpus)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def cache_env(cache: str) -> dict:
+    """`cache`: '' (the default caches), 'cold:KEY' (a fresh folder for KEY) or 'warm:KEY' (KEY's folder as
+    the cold run left it)."""
+    if not cache:
+        return {}
+    state, _, key = cache.partition(":")
+    folder = REPO_ROOT / "runs" / "compile-cache" / key
+    return fresh_compile_cache(folder) if state == "cold" else compile_cache(folder)
+
+
+def lesson4_plan(gpu: bool) -> dict[str, list[tuple[str, list, str]]]:
+    """Lesson 4's measurements by section: (result name, `tunekit` arguments, compile cache: see `cache_env`).
+    On a GPU: 7B LoRA/QLoRA steps (seq 2048), a 1.1B full fine-tune for the optimizers and fp32, a 10M model
+    trained from scratch on tinyshakespeare. In smoke mode: the tiny model, GPU-only switches left out."""
+    # 7B steps of about a second: 15 timed steps hold the median's error near 1% (noise_lora_b4: 0.2% spread)
+    lora = ["bench", "--preset", "llama7b_lora", "--bench-max-steps", "15"]
+    if not gpu:
+        small = ["--bench-warmup", "1", "--bench-steps", "3", "--bench-max-steps", "3", "--max-length", "128"]
+        tiny = ["bench", "--preset", "tiny", *small]
+        return {
+            "tf32": [],
+            "compile": [("l4_lora_eager", tiny, ""), ("l4_lora_regional_cold", [*tiny, "--compile", "regional"],
+                                                     "cold:regional")],
+            "optimizers": [(f"l4_opt_{o}", [*tiny, "--method", "full", "--optimizer", o], "") for o in ("adamw", "lion")],
+            "converge": [("l4_converge", ["converge", "--preset", "shakespeare", "--sweep", "adamw=1e-3;lion=1e-4",
+                                          "--max-steps", "20", "--eval-every", "10", "--hidden-size", "64",
+                                          "--num-layers", "2", "--num-heads", "4", "--intermediate-size", "128",
+                                          "--batch-size", "8", "--max-length", "128", "--warmup-steps", "2"], "")],
+            "kernels": [], "fp8": []}
+    one_b = ["bench", "--preset", "llama1b_full"]
+    qlora = ["bench", "--preset", "llama7b_qlora", "--bench-max-steps", "15"]
+    return {
+        "tf32": [("l4_tf32_fp32_off", [*one_b, "--dtype", "fp32", "--batch-size", "2", "--tf32", "false"], ""),
+                 ("l4_tf32_fp32_on", [*one_b, "--dtype", "fp32", "--batch-size", "2", "--tf32", "true"], ""),
+                 ("l4_lora_tf32_off", [*lora, "--tf32", "false"], "")],
+        "compile": [("l4_lora_eager", lora, ""),
+                    ("l4_lora_regional_cold", [*lora, "--compile", "regional"], "cold:regional"),
+                    ("l4_lora_regional_warm", [*lora, "--compile", "regional"], "warm:regional"),
+                    ("l4_lora_model_cold", [*lora, "--compile", "model"], "cold:model"),
+                    ("l4_qlora_eager", [*qlora], ""),
+                    ("l4_qlora_regional_cold", [*qlora, "--compile", "regional"], "cold:qlora")],
+        "optimizers": [(f"l4_opt_{o}", [*one_b, "--optimizer", o], "") for o in
+                       ("adamw", "adamw_foreach", "adamw8bit", "paged_adamw8bit", "lion", "lion_pytorch", "lion8bit")],
+        "converge": [("l4_converge", ["converge", "--preset", "shakespeare", "--sweep",
+                                      "adamw=3e-4,1e-3,3e-3;adamw8bit=3e-4,1e-3,3e-3;lion=3e-5,1e-4,3e-4;"
+                                      "lion8bit=3e-5,1e-4,3e-4"], "")],
+        "kernels": [("l4_lora_liger", [*lora, "--kernels", "liger", "--loss", "liger"], ""),
+                    ("l4_lora_liger_regional", [*lora, "--kernels", "liger", "--loss", "liger", "--compile", "regional"],
+                     "cold:liger")],
+        "fp8": [("l4_lora_fp8", [*lora, "--fp8"], ""),
+                ("l4_lora_fp8_regional", [*lora, "--fp8", "--compile", "regional"], "cold:fp8")]}
 
 
 def gpu_count() -> int:
@@ -242,5 +346,13 @@ def clean_outputs(nb):
 
 
 if __name__ == "__main__":
-    for arg in sys.argv[1:]:
-        print(f"executed {execute(arg)}")
+    # python -m tunekit.notebook NOTEBOOK...        execute notebooks in place
+    # python -m tunekit.notebook --measure 4 GPUS   lesson 4's plan on GPUS GPUs at once (the notebook then reads it)
+    # python -m tunekit.notebook --measure 4 GPUS SECTION,SECTION   only those sections
+    if sys.argv[1:2] == ["--measure"]:
+        plan = lesson4_plan(on_gpu())
+        wanted = sys.argv[4].split(",") if len(sys.argv) > 4 else list(plan)
+        measure_in_parallel([item for s in wanted for item in plan[s]], int(sys.argv[3]))
+    else:
+        for arg in sys.argv[1:]:
+            print(f"executed {execute(arg)}")

@@ -211,17 +211,25 @@ def liger_available() -> str:
 
 def apply_liger(model) -> list[str]:
     """Swap in Liger's fused RMSNorm, RoPE and SwiGLU for this model's own (in place, `model` being a
-    transformers model, before LoRA). Its fused linear cross-entropy is the `liger` loss. Liger patches RoPE
-    in transformers' modeling module, so for every model of that type in this process. Returns what it
-    swapped."""
+    transformers model, before LoRA). Its fused linear cross-entropy is the `liger` loss. Returns what it
+    swapped.
+
+    Liger also replaces the norm and MLP classes in transformers' modeling module, which would give every
+    model built later in this process its kernels: those are put back (this model's modules keep theirs).
+    RoPE is a function the attention calls from that module, so Liger's stays for the process."""
+    import sys
+
     if why := liger_available():
         raise RuntimeError(f"kernels=liger: {why}")
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
-    model_type = model.config.model_type
+    module = sys.modules[type(model).__module__]
+    classes = {k: v for k, v in vars(module).items() if isinstance(v, type)}
     _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                     fused_linear_cross_entropy=False)
-    return [f"{model_type}: rms_norm", "rope", "swiglu"]
+    for k, v in classes.items():
+        setattr(module, k, v)
+    return [f"Liger {model.config.model_type}: RMSNorm, RoPE, SwiGLU"]
 
 
 def liger_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, scale: float) -> torch.Tensor:
@@ -339,3 +347,25 @@ def run_convergence(cfg, sweep: dict[str, list[float]], name: str, verbose: bool
                       f"{name!r})", runs=runs, best={k: {"lr": v["lr"], "final_eval_loss": v["final_eval_loss"]}
                                                      for k, v in best.items()},
                       weights="random init, trained from scratch", data=f"{cfg.data}, {cfg.eval_split:g} held out")
+
+
+def tf32_precision(n: int = 4096, device: str = "cuda", seed: int = 0) -> dict:
+    """How far an n x n x n fp32 matmul lands from float64 with TF32 off, with TF32 on, and in bf16 (relative
+    Frobenius error): what "almost no precision loss" means in numbers. A result dict (`l4_tf32_precision`)."""
+    from tunekit.results import new_result
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    a = torch.randn(n, n, device=device, generator=g)
+    b = torch.randn(n, n, device=device, generator=g)
+    exact = a.double() @ b.double()
+
+    def error(c) -> float:
+        return float((c.double() - exact).norm() / exact.norm())
+
+    with tf32(False):
+        plain = error(a @ b)
+    with tf32(True):
+        fast = error(a @ b)
+    half = error(a.bfloat16() @ b.bfloat16())
+    return new_result("l4_tf32_precision", None, None, None, call=f"speedups.tf32_precision({n})", n=n,
+                      fp32_rel_error=plain, tf32_rel_error=fast, bf16_rel_error=half)
