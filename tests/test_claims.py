@@ -61,10 +61,10 @@ def test_reference_table_marks_cited_figures():
 
 
 def test_render_readme_replaces_blocks_and_needs_them():
-    text = "a\n<!-- results:start -->\nold\n<!-- results:end -->\n<!-- claims:start -->\n<!-- claims:end -->\n" \
+    text = "a\n<!-- results:start -->\nOLD-BLOCK\n<!-- results:end -->\n<!-- claims:start -->\n<!-- claims:end -->\n" \
            "<!-- reference:start -->\n<!-- reference:end -->\nz\n"
     out = claims.render_readme(text, {})
-    assert "old" not in out and "| # | claim |" in out and out.startswith("a\n") and out.endswith("z\n")
+    assert "OLD-BLOCK" not in out and "| # | claim |" in out and out.startswith("a\n") and out.endswith("z\n")
     assert claims.render_readme(out, {}) == out
     with pytest.raises(ValueError, match="results:start"):
         claims.render_readme("no blocks", {})
