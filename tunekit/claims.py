@@ -328,10 +328,13 @@ def c14(rs: dict[str, dict]) -> Verdict:
     noise = noise_results(rs)
     gr, wr = compare(cold, eager, noise)
     gm, wm = compare(whole, eager, noise)
-    minutes = whole["first_step_s"] >= 60
-    verdict = ("holds" if 1.2 <= max(gr, gm) and minutes else
-               "faster than claimed, in seconds not minutes" if max(gr, gm) >= 1.2 else "partly" if max(gr, gm) > 1.05
-               else "not here")
+    gain = max(gr, gm) >= 1.2
+    if gain and whole["first_step_s"] >= 60 > cold["first_step_s"]:
+        verdict = "the speed-up holds; minutes only for whole-model compile, seconds regionally"
+    elif gain:
+        verdict = "holds" if cold["first_step_s"] >= 60 else "holds, in seconds not minutes"
+    else:
+        verdict = "partly" if max(gr, gm) > 1.05 else "not here"
     q = ""
     if "l4_qlora_regional_cold" in rs and "l4_qlora_eager" in rs:
         _, wq = compare(rs["l4_qlora_regional_cold"], rs["l4_qlora_eager"], noise)
