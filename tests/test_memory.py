@@ -197,12 +197,20 @@ def published_results(one_process: bool = False) -> dict:
     return {name: r for name, r in found.items() if not one_process or r.get("world_size", 1) == 1}
 
 
+def estimated_kind(config: dict) -> bool:
+    """A bf16 step of PyTorch's own kernels, op by op: what the estimator models. Compiled, Liger and FP8 steps
+    keep other activations (inductor and Liger fuse them away, FP8 keeps its casts), and fp32 ones twice the
+    bytes: measured, not estimated."""
+    return (config.get("compile", "none") == "none" and config.get("kernels", "none") == "none"
+            and not config.get("fp8") and config.get("loss") != "liger" and config.get("dtype") != "fp32")
+
+
 def h200_results() -> list:
-    """Every published step benchmark (lessons 0, 2 and 3 in notebooks/results; on two GPUs the estimate is
-    per GPU), and the training-loop ones whose batches are full rows of max_length (packed): the estimate is
-    for that shape, where padded or grouped batches are as wide as their longest sample."""
+    """Every published step benchmark the estimator models (notebooks/results; on two GPUs the estimate is per GPU),
+    and the training-loop ones whose batches are full rows of max_length (packed): the estimate is for that
+    shape, where padded or grouped batches are as wide as their longest sample."""
     out = [pytest.param(r, id=name) for name, r in published_results().items()
-           if "step_time_s" in r and r.get("packing", "pack") == "pack"]
+           if "step_time_s" in r and r.get("packing", "pack") == "pack" and estimated_kind(r.get("config", {}))]
     assert len(out) >= 4, "the published results are missing"
     return out
 
@@ -320,7 +328,10 @@ def test_estimate_rejects_bad_arguments():
         estimate.estimate_memory_for(64, 2, 4, 128, 0, 16, 1, "lora")
     for optimizer in config.OPTIMIZERS:  # the one list of optimizers: the estimator knows each of them
         est = estimate.estimate_memory(**LLAMA7B, seq=8, batch=1, method="lora", optimizer=optimizer)
-        assert est["optimizer"] > 0
+        # paged states sit outside PyTorch's allocator and leave the GPU under pressure (l4_opt_paged_adamw8bit)
+        assert (est["optimizer"] > 0) == (not optimizer.startswith("paged_")), optimizer
+    with pytest.raises(ValueError, match="fp32"):
+        estimate.estimate_memory_for(64, 2, 4, 128, 32000, 16, 1, "full", dtype="fp32")
     with pytest.raises(ValueError, match="optimizer"):
         estimate.estimate_memory(**LLAMA7B, seq=8, batch=1, method="lora", optimizer="sgd")
 

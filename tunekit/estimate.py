@@ -201,7 +201,9 @@ def estimate_memory(hidden: int, layers: int, heads: int, kv_heads: int, interme
     if embed_offload:  # the input table and the LM head live in CPU memory
         weights -= 2 * other_bytes * vocab * hidden
     trainable, train_bytes = (linear + other, weight_dtype_bytes) if method == "full" else (lora, 4)
-    states = state_bytes_per_param(optimizer, train_bytes)  # (8-bit block scales: ~0.1%, left out)
+    # (8-bit block scales, 1.6%, left out.) Paged states live in CUDA unified memory, outside PyTorch's
+    # allocator: they use the GPU while it has room and move to the CPU under pressure, so none count here.
+    states = 0 if optimizer.startswith("paged_") else state_bytes_per_param(optimizer, train_bytes)
     parts = {
         "weights": weights,
         "lora": 4 * lora,
@@ -258,14 +260,19 @@ def estimate_memory_for(hidden_size: int, num_layers: int, num_heads: int, inter
                         loss: str = "chunked", lora_input_cast: bool = False, grad_ckpt_offload: bool = False,
                         optimizer: str = "adamw", peft_kbit_prepare: bool = False, embed_offload: bool = False,
                         attention: str = "auto", sdpa_backend: str = "auto", world_size: int = 1,
-                        parallel: str = "auto", fsdp_reshard: bool = True, **_ignored) -> dict:
+                        parallel: str = "auto", fsdp_reshard: bool = True, dtype: str = "auto",
+                        **_ignored) -> dict:
     """`estimate_memory` from TuneConfig field names, so `estimate_memory_for(**config_dict(cfg))` works
     (other fields are ignored; `vocab_size` must be set: a tokenizer's size is unknown before loading).
-    `world_size`: the GPUs of a torchrun launch (`parallel` auto resolves as training does)."""
+    `world_size`: the GPUs of a torchrun launch (`parallel` auto resolves as training does). The estimate
+    is of a GPU step in bf16 (or fp16): an fp32 one is refused, not guessed."""
     from tunekit.distributed import choose_parallel
 
     if not vocab_size:
         raise ValueError("vocab_size is 0 (the tokenizer's size); pass the vocabulary size explicitly")
+    if dtype == "fp32":
+        raise ValueError("dtype fp32: the estimator models bf16/fp16 steps (weights and activations of 2 bytes); "
+                         "measure an fp32 step with `tunekit bench` instead")
     return estimate_memory(hidden_size, num_layers, num_heads, num_kv_heads or num_heads, intermediate_size,
                            vocab_size, max_length, batch_size, method, lora_r, lora_targets, grad_ckpt,
                            optimizer=optimizer, loss=loss, lora_input_cast=lora_input_cast,

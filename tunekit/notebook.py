@@ -214,15 +214,16 @@ def lesson4_plan(gpu: bool) -> dict[str, list[tuple[str, list, str]]]:
     if not gpu:
         small = ["--bench-warmup", "1", "--bench-steps", "3", "--bench-max-steps", "3", "--max-length", "128"]
         tiny = ["bench", "--preset", "tiny", *small]
+        tiny_converge = ["--max-steps", "20", "--eval-every", "10", "--hidden-size", "64", "--num-layers", "2",
+                         "--num-heads", "4", "--intermediate-size", "128", "--batch-size", "8", "--max-length", "128",
+                         "--warmup-steps", "2"]
         return {
             "tf32": [],
             "compile": [("l4_lora_eager", tiny, ""), ("l4_lora_regional_cold", [*tiny, "--compile", "regional"],
                                                      "cold:regional")],
             "optimizers": [(f"l4_opt_{o}", [*tiny, "--method", "full", "--optimizer", o], "") for o in ("adamw", "lion")],
-            "converge": [("l4_converge", ["converge", "--preset", "shakespeare", "--sweep", "adamw=1e-3;lion=1e-4",
-                                          "--max-steps", "20", "--eval-every", "10", "--hidden-size", "64",
-                                          "--num-layers", "2", "--num-heads", "4", "--intermediate-size", "128",
-                                          "--batch-size", "8", "--max-length", "128", "--warmup-steps", "2"], "")],
+            "converge": [(f"l4_converge_{o}", ["converge", "--preset", "shakespeare", "--sweep", f"{o}={lr}",
+                                               *tiny_converge], "") for o, lr in (("adamw", 1e-3), ("lion", 1e-4))],
             "kernels": [], "fp8": []}
     one_b = ["bench", "--preset", "llama1b_full"]
     qlora = ["bench", "--preset", "llama7b_qlora", "--bench-max-steps", "15"]
@@ -238,9 +239,11 @@ def lesson4_plan(gpu: bool) -> dict[str, list[tuple[str, list, str]]]:
                     ("l4_qlora_regional_cold", [*qlora, "--compile", "regional"], "cold:qlora")],
         "optimizers": [(f"l4_opt_{o}", [*one_b, "--optimizer", o], "") for o in
                        ("adamw", "adamw_foreach", "adamw8bit", "paged_adamw8bit", "lion", "lion_pytorch", "lion8bit")],
-        "converge": [("l4_converge", ["converge", "--preset", "shakespeare", "--sweep",
-                                      "adamw=3e-4,1e-3,3e-3;adamw8bit=3e-4,1e-3,3e-3;lion=3e-5,1e-4,3e-4;"
-                                      "lion8bit=3e-5,1e-4,3e-4"], "")],
+        # two results, one per GPU; Lion's rates are AdamW's / 10 (the paper's rule), each range around its best
+        "converge": [("l4_converge_adamw", ["converge", "--preset", "shakespeare", "--sweep",
+                                            "adamw=1e-3,3e-3,1e-2;adamw8bit=1e-3,3e-3,1e-2"], ""),
+                     ("l4_converge_lion", ["converge", "--preset", "shakespeare", "--sweep",
+                                           "lion=1e-4,3e-4,1e-3;lion8bit=1e-4,3e-4,1e-3"], "")],
         "kernels": [("l4_lora_liger", [*lora, "--kernels", "liger", "--loss", "liger"], ""),
                     ("l4_lora_liger_regional", [*lora, "--kernels", "liger", "--loss", "liger", "--compile", "regional"],
                      "cold:liger")],
