@@ -356,12 +356,19 @@ def c15(rs: dict[str, dict]) -> Verdict:
     state = {k: v["optimizer_state_gb"] / base["optimizer_state_gb"] for k, v in opt.items()}
     gap = {k: best[k]["best_eval_loss"] - best["adamw"]["best_eval_loss"] for k in best}
     parts = [f"{k} {speed[k]:.2f}x AdamW's speed, {state[k]:.2f}x its state" for k in ("adamw8bit", "lion")]
-    lr_ratio = best["adamw"]["lr"] / best["lion"]["lr"] if "lion" in best else None
+    lr_ratio = round(best["adamw"]["lr"] / best["lion"]["lr"], 6) if "lion" in best else None
     conv_text = ", ".join(f"{k} {best[k]['best_eval_loss']:.3f} (lr {best[k]['lr']:g})" for k in best)
-    lion_ok = "lion" in gap and gap["lion"] <= 0.02
-    verdict = ("holds" if 0.8 <= speed["adamw8bit"] <= 1.0 and speed["lion"] >= 1.15 and lion_ok
-               else "memory holds, speed does not" if state["adamw8bit"] < 0.5 and state["lion"] < 0.75
-               else "not here")
+    checks = {  # each part of the claim: (holds?, its words)
+        "memory": (state["adamw8bit"] <= 0.55 and state["lion"] <= 0.55, "half the state"),
+        "8-bit speed": (0.85 <= speed["adamw8bit"] <= 1.0, "8-bit AdamW at 0.9x"),
+        "Lion speed": (speed["lion"] >= 1.15, "Lion at 1.2x"),
+        "Lion as good": ("lion" in gap and gap["lion"] <= 0.02, "Lion as good"),
+        "Lion's rate": (lr_ratio is not None and 3 <= lr_ratio <= 10, "a 3-10x smaller rate for Lion"),
+    }
+    held = [w for ok, w in checks.values() if ok]
+    failed = [w for ok, w in checks.values() if not ok]
+    verdict = "holds" if not failed else "not here" if not held else f"{', '.join(held)}: holds; " \
+              f"{', '.join(failed)}: not here"
     return Verdict("C15", verdict,
                    f"full fine-tune of 1.1B (bf16 weights, {opt['adamw']['gpu']}): {'; '.join(parts)}. Lowest held-out "
                    f"loss on tinyshakespeare (10M model from scratch), each at its best learning rate: {conv_text}"
