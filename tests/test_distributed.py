@@ -60,15 +60,16 @@ def assert_same_run(got, want, rel=1e-5):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel, packing", [("ddp", "pack"), ("ddp", "pad"), ("fsdp", "pack"), ("fsdp", "pad"),
-                                               ("fsdp-keep", "pack")])
+                                               ("fsdp-keep", "pack"), ("fsdp-compiled", "pack")])
 def test_two_ranks_train_as_one_process_on_the_global_batch(make, tmp_path, parallel, packing):
     """2 ranks x micro-batch 2 x accumulation 2 against 1 process x micro-batch 4 x accumulation 2. Padded
     batches give each rank and micro-batch its own target count: the loss is normalised by the step's total
-    over all ranks, so the runs still agree. `fsdp-keep`: FSDP2 keeping gathered weights until backward."""
-    keep = parallel == "fsdp-keep"
-    parallel = "fsdp" if keep else parallel
-    two = make(f"{parallel}-{packing}-{keep}", parallel=parallel, packing=packing, grad_accum=2,
-               fsdp_reshard=not keep)
+    over all ranks, so the runs still agree. `fsdp-keep`: FSDP2 keeping gathered weights until backward;
+    `fsdp-compiled`: each decoder block compiled (inductor) inside FSDP2's hooks, against the eager process."""
+    keep, compiled = parallel == "fsdp-keep", parallel == "fsdp-compiled"
+    parallel = "fsdp" if keep or compiled else parallel
+    two = make(f"{parallel}-{packing}-{keep}-{compiled}", parallel=parallel, packing=packing, grad_accum=2,
+               fsdp_reshard=not keep, compile="regional" if compiled else "none")
     torchrun({"config": config.config_dict(two)}, tmp_path)
     one = make(f"one-{packing}", packing=packing, grad_accum=2, batch_size=4)
     train.train(one, progress=False)
