@@ -62,11 +62,11 @@ def tokenized(records, tokenizer):
 
 
 def test_in_loop_tokenization_equals_offline(records, tokenized, tokenizer):
-    inloop = databench.InLoopTokenized(records, tokenizer, 128)
+    inloop = data.InLoopTokenized(records, tokenizer, 128)
     assert len(inloop) == len(tokenized) == 64
     for i in (0, 17, 63):
         assert inloop[i] == {"input_ids": tokenized[i]["input_ids"], "labels": tokenized[i]["labels"]}
-    short = databench.InLoopTokenized(records, tokenizer, 16)[0]  # max_length reaches the tokenizer
+    short = data.InLoopTokenized(records, tokenizer, 16)[0]  # max_length reaches the tokenizer
     assert short["input_ids"] == tokenized[0]["input_ids"][:16]
 
 

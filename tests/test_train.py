@@ -974,3 +974,45 @@ def test_held_out_rows_give_an_eval_loss_that_a_resume_keeps(tmp_path, small_dat
     assert got == pytest.approx(total / count, rel=1e-5) and model.training
     with pytest.raises(config.ConfigError, match="eval_every"):
         config.tiny(eval_every=5)
+
+
+def test_in_loop_tokenization_trains_as_offline_on_padded_batches(tmp_path, small_data):
+    """`tokenize=in_loop` (the article's "before") reads the same samples in the same order as offline
+    tokenization, so a padded run gives the same losses; it refuses packing, whose lengths it cannot know."""
+    kw = dict(data=str(small_data), max_steps=4, batch_size=4, max_length=128, warmup_steps=1, packing="pad",
+              **SMALL_ARCH)
+    offline = train.train(config.tiny(out_dir=str(tmp_path / "off"), **kw), progress=False)
+    in_loop = train.train(config.tiny(out_dir=str(tmp_path / "in"), tokenize="in_loop", **kw), progress=False)
+    assert in_loop["losses"] == pytest.approx(offline["losses"], rel=1e-5)
+    assert in_loop["samples_seen"] == offline["samples_seen"] and in_loop["tokens_seen"] == offline["tokens_seen"]
+    assert not (tmp_path / "in" / "prepared" / "dataset").exists()  # nothing tokenized ahead
+    with pytest.raises(config.ConfigError, match="packing pad"):
+        config.tiny(tokenize="in_loop", packing="pack")
+
+
+def test_eval_data_is_a_second_dataset_tokenized_like_the_first(tmp_path, small_data, small_records):
+    held = write_jsonl(tmp_path / "held.jsonl", small_records[:10])
+    for tokenize, packing in (("offline", "pack"), ("in_loop", "pad")):
+        cfg = config.tiny(out_dir=str(tmp_path / tokenize), data=str(small_data), eval_data=str(held), max_steps=2,
+                          batch_size=4, max_length=128, warmup_steps=1, tokenize=tokenize, packing=packing,
+                          **SMALL_ARCH)
+        summary = train.train(cfg, progress=False)
+        assert [s for s, _ in summary["eval_losses"]] == [2] and math.isfinite(summary["eval_loss"])
+        assert summary["samples_seen"] == 2 * 4 or packing == "pack"
+    with pytest.raises(config.ConfigError, match="eval_data"):
+        config.tiny(eval_data=str(held), eval_split=0.1)
+
+
+def test_the_before_and_after_recipes_are_presets_that_run_on_the_tiny_model(tmp_path, small_data):
+    """Lesson 5's two recipes, as presets; on the CPU, at the tiny shape with LoRA for QLoRA (4-bit needs
+    CUDA), both train end to end."""
+    before, after = config.llama7b_before(), config.llama7b_after()
+    assert (before.tokenize, before.packing, before.attention, before.compile, before.tf32) == \
+        ("in_loop", "pad", "eager", "none", False)
+    assert (after.tokenize, after.packing, after.compile) == ("offline", "auto", "regional")
+    small = dict(data=str(small_data), max_steps=2, max_length=128, vocab_size=0, tokenizer_vocab=1024, num_kv_heads=0,
+                 eval_data="", device="cpu", num_workers=0, batch_size=2, grad_accum=2, **SMALL_ARCH)
+    for cfg in (config.llama7b_before(**small, method="lora", peft_kbit_prepare=False, out_dir=str(tmp_path / "before")),
+                config.llama7b_after(**small, compile="none", out_dir=str(tmp_path / "after"))):
+        summary = train.train(cfg, progress=False)
+        assert summary["steps"] == 2 and all(math.isfinite(x) for x in summary["losses"])

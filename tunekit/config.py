@@ -29,6 +29,7 @@ COMPILE = ("none", "regional", "model")
 KERNELS = ("none", "liger")
 SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
 PARALLEL = ("auto", "ddp", "fsdp")
+TOKENIZE = ("offline", "in_loop")
 
 
 class ConfigError(ValueError):
@@ -133,6 +134,11 @@ class TuneConfig:
     against `max_length` (their mean at most half of it), else `group`. What `auto` chose is printed and
     recorded in the run's config.json. A step then holds as many samples as fit, not `batch_size`: every
     metrics row counts the samples and real tokens seen so far."""
+    tokenize: str = "offline"
+    """`offline`: tokenize the whole dataset once before training, into the run folder (reused by later runs).
+    `in_loop`: tokenize each sample as the DataLoader reads it, every epoch — the article's "before", kept
+    to measure it (lesson 1, claim C1; lesson 5's "before" run). Padded batches only (packing and grouping
+    need every length first)."""
     num_workers: int = 0
     """DataLoader worker processes. 0 collates in the training process."""
     pin_memory: bool = True
@@ -209,8 +215,11 @@ class TuneConfig:
     """Hold out this fraction of the prepared rows (samples, or packed rows), chosen by `seed`, and report
     the mean token loss on them: every `eval_every` steps and at the end, in the metrics rows (`eval_loss`)
     and summary.json. 0: train on everything, no held-out loss."""
+    eval_data: str = ""
+    """A held-out dataset (file or name, e.g. `gsm8k-test`), tokenized like `data`, for the same held-out loss;
+    instead of `eval_split`."""
     eval_every: int = 0
-    """Steps between held-out evaluations (0: at the end only). Needs `eval_split`."""
+    """Steps between held-out evaluations (0: at the end only). Needs `eval_split` or `eval_data`."""
 
     # ---- logging and checkpoints -----------------------------------------------------------------
     log_every: int = 1
@@ -250,6 +259,9 @@ class TuneConfig:
         need(self.optimizer in OPTIMIZERS, "optimizer", f"choose one of {', '.join(OPTIMIZERS)}")
         need(self.parallel in PARALLEL, "parallel", f"choose one of {', '.join(PARALLEL)}")
         need(self.compile in COMPILE, "compile", f"choose one of {', '.join(COMPILE)}")
+        need(self.tokenize in TOKENIZE, "tokenize", f"choose one of {', '.join(TOKENIZE)}")
+        need(self.tokenize == "offline" or self.packing == "pad", "tokenize",
+             "in_loop tokenizes each batch as it is read, so its lengths are unknown before: use --packing pad")
         need(self.kernels in KERNELS, "kernels", f"choose one of {', '.join(KERNELS)}")
         names = [b.strip() for b in self.sdpa_backend.split(",")]
         need(self.sdpa_backend == "auto" or (all(names) and set(names) <= set(SDPA_BACKENDS)), "sdpa_backend",
@@ -287,7 +299,9 @@ class TuneConfig:
         need(math.isfinite(self.lr), "lr", "must be a finite number")
         need(0 <= self.eval_split < 1, "eval_split", "a fraction of the rows: at least 0, below 1")
         need(self.eval_every >= 0, "eval_every", "must be zero (at the end only) or positive")
-        need(self.eval_split > 0 or not self.eval_every, "eval_every", "evaluates held-out rows: set --eval-split too")
+        need(self.eval_split > 0 or bool(self.eval_data) or not self.eval_every, "eval_every",
+             "evaluates held-out rows: set --eval-split or --eval-data too")
+        need(not (self.eval_split and self.eval_data), "eval_data", "holds out its own rows: drop --eval-split")
         need(self.keep_checkpoints >= 1, "keep_checkpoints", "must be at least 1")
         need(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be between 0 and 1")
         need(0 <= self.lora_dropout < 1, "lora_dropout", "must be in [0, 1)")
@@ -346,6 +360,29 @@ def llama7b_qlora_lowmem(**overrides) -> TuneConfig:
                                     batch_size=1), **overrides})
 
 
+def llama7b_before(**overrides) -> TuneConfig:
+    """Lesson 5's "before": the article's recipe as a plain HF + peft user runs it, made runnable and fair —
+    tokenized in the loop by a default DataLoader, batches padded to their longest sample, eager attention,
+    the plain loss over full logits, no TF32, no compile, foreach AdamW; QLoRA with checkpointing and peft's
+    k-bit preparation and input casts. 8 samples x 7 micro-batches a step (56), about what a step of packed
+    rows holds in `llama7b_after`, so both runs take about as many optimizer steps an epoch."""
+    return TuneConfig(**{**_llama7b(preset="llama7b_before", method="qlora", grad_ckpt=True, peft_kbit_prepare=True,
+                                    lora_input_cast=True, tokenize="in_loop", packing="pad", attention="eager",
+                                    loss="plain", tf32=False, compile="none", optimizer="adamw_foreach",
+                                    batch_size=8, grad_accum=7, num_workers=0, pin_memory=False,
+                                    persistent_workers=False, warmup_steps=10, eval_data="gsm8k-test"),
+                         **overrides})
+
+
+def llama7b_after(**overrides) -> TuneConfig:
+    """Lesson 5's "after": tunekit's fastest LoRA recipe measured in lessons 2-4 — offline tokenization,
+    packed rows each sample attending to itself, bf16 LoRA without checkpointing, the chunked loss, each
+    decoder block compiled (lesson 4: the largest speed-up, a cold compile in seconds), fused AdamW, TF32 on.
+    FP8 (`--fp8`) was faster still in lesson 4's step benchmark; lesson 5 measures it on real data."""
+    return TuneConfig(**{**_llama7b(preset="llama7b_after", method="lora", compile="regional", warmup_steps=10,
+                                    eval_data="gsm8k-test"), **overrides})
+
+
 def llama1b_full(**overrides) -> TuneConfig:
     """A 1.1B Llama (TinyLlama's shape: 22 layers of width 2048, 4 key/value heads), every weight trained in
     bf16, seq 2048, batch 4: lesson 4's optimizer measurements (the states of every parameter count)."""
@@ -365,9 +402,11 @@ def shakespeare(**overrides) -> TuneConfig:
 
 PRESETS: dict[str, typing.Callable[..., TuneConfig]] = {
     "tiny": tiny, "llama7b_lora": llama7b_lora, "llama7b_qlora": llama7b_qlora,
-    "llama7b_qlora_lowmem": llama7b_qlora_lowmem, "llama1b_full": llama1b_full, "shakespeare": shakespeare,
+    "llama7b_qlora_lowmem": llama7b_qlora_lowmem, "llama7b_before": llama7b_before, "llama7b_after": llama7b_after,
+    "llama1b_full": llama1b_full, "shakespeare": shakespeare,
 }
-GPU_PRESETS = ("llama7b_lora", "llama7b_qlora", "llama7b_qlora_lowmem", "llama1b_full")
+GPU_PRESETS = ("llama7b_lora", "llama7b_qlora", "llama7b_qlora_lowmem", "llama7b_before", "llama7b_after",
+               "llama1b_full")
 # Fields a resumed run may change (`tunekit train --resume --allow-config-change`): none of them touches the
 # weights, the data order or the optimizer state. A new `max_steps` recomputes the cosine schedule for the new
 # length (as a new `epochs` does), so the learning rate jumps at the resumed step; the benchmark fields are not

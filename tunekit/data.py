@@ -667,13 +667,17 @@ def preview(ds, tokenizer, stats: dict | None = None, index: int = 0, marks: tup
             shown.append(text if trained[start] else f"{marks[0]}{text}{marks[1]}")
             start = i
     stats = stats or {}
-    if stats.get("target_tokens") is not None and stats.get("tokens"):
-        targets, tokens = stats["target_tokens"], stats["tokens"]
-    else:
-        targets, tokens = count_target_tokens(ds)
     lines = [f"data: sample {index} as the model sees it; the loss skips the text in {marks[0]} {marks[1]}:",
-             "".join(shown),
-             f"data: {targets:,} of {tokens:,} tokens are targets ({targets / max(tokens, 1):.1%}), the rest masked"]
+             "".join(shown)]
+    if isinstance(ds, InLoopTokenized):  # counting would tokenize everything, which this mode puts off
+        lines.append("data: tokenized in the loop, batch by batch: no totals before training")
+    else:
+        if stats.get("target_tokens") is not None and stats.get("tokens"):
+            targets, tokens = stats["target_tokens"], stats["tokens"]
+        else:
+            targets, tokens = count_target_tokens(ds)
+        lines.append(f"data: {targets:,} of {tokens:,} tokens are targets ({targets / max(tokens, 1):.1%}), the "
+                     "rest masked")
     if all(trained[1:]):
         lines.append("data: nothing in this sample is masked, so the model trains on all of it; to train on answers "
                      "alone, map a prompt with --fields or set --response-template (see the README, 'Your own data')")
@@ -681,6 +685,42 @@ def preview(ds, tokenizer, stats: dict | None = None, index: int = 0, marks: tup
         lines.append(f"data: {stats['no_targets']:,} samples kept no target token after truncation to "
                      f"{stats.get('max_length')} tokens: dropped ({stats.get('samples', len(ds)):,} remain)")
     return "\n".join(lines)
+
+
+class InLoopTokenized:
+    """Raw records that tokenize on access: tokenization happens wherever the DataLoader fetches — in the
+    training process (num_workers=0) or in its worker processes. The article's "before": lesson 1 measures
+    what it costs (claim C1); `tunekit train --tokenize in_loop` trains this way. A map-style dataset, as the
+    DataLoader takes it."""
+
+    def __init__(self, records, tokenizer, max_length: int, source: str = "dataset", response_template: str = "",
+                 instruction_template: str = "", chat_template: str = "auto"):
+        self.records, self.tokenizer, self.max_length = records, tokenizer, max_length
+        self.layout = detect_layout(records.column_names, source)
+        self.source = source
+        self.options = {"response_template": response_template, "instruction_template": instruction_template,
+                        "chat_template": chat_template}
+
+    column_names = ("input_ids", "labels")
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def select(self, indices) -> InLoopTokenized:
+        """These records only (as `datasets.Dataset.select`), still tokenized on access."""
+        out = InLoopTokenized.__new__(InLoopTokenized)
+        out.__dict__.update(self.__dict__, records=self.records.select(indices))
+        return out
+
+    def with_format(self, columns=None) -> InLoopTokenized:
+        return self  # (already lists of the two columns)
+
+    def __getitem__(self, i: int) -> dict:
+        rec = self.records[i]
+        batch = {k: [v] for k, v in rec.items()}
+        out = tokenize_batch(batch, self.tokenizer, self.max_length, *self.layout, source=self.source, rows=[i],
+                             **self.options)
+        return {"input_ids": out["input_ids"][0], "labels": out["labels"][0]}
 
 
 # ---- saving and loading tokenized data ----------------------------------------------------------------

@@ -68,25 +68,6 @@ def measure_fed_steps(step_fn, batches, steps: int, warmup: int, device: str) ->
             "step_spread": round(spread([d + c for d, c in zip(data_s, compute_s)]), 4)}
 
 
-class InLoopTokenized(torch.utils.data.Dataset):
-    """Raw records that tokenize on access: tokenization happens wherever the DataLoader fetches —
-    in the training process (num_workers=0) or in its worker processes."""
-
-    def __init__(self, records, tokenizer, max_length: int, source: str = "dataset"):
-        self.records, self.tokenizer, self.max_length = records, tokenizer, max_length
-        self.layout = data.detect_layout(records.column_names, source)
-        self.source = source
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def __getitem__(self, i: int) -> dict:
-        rec = self.records[i]
-        batch = {k: [v] for k, v in rec.items()}
-        out = data.tokenize_batch(batch, self.tokenizer, self.max_length, *self.layout, source=self.source, rows=[i])
-        return {"input_ids": out["input_ids"][0], "labels": out["labels"][0]}
-
-
 def cycle(make_loader):
     """Batches forever from fresh loaders (one per epoch)."""
     epoch = 0
@@ -122,7 +103,7 @@ def run_train_experiment(cfg: TuneConfig, steps: int = 15, warmup: int = 3, verb
     def step(batch):
         tr.train_step(model, [batch], optimizer, scheduler, cfg.max_grad_norm, **options)
 
-    inloop = InLoopTokenized(records, tokenizer, cfg.max_length, cfg.data)
+    inloop = data.InLoopTokenized(records, tokenizer, cfg.max_length, cfg.data)
     article = dict(num_workers=workers, pin_memory=pin, prefetch_factor=4, persistent_workers=True)
     variants = {
         # C1: where tokenization happens

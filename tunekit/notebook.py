@@ -64,6 +64,8 @@ def config_for(gpu_preset: str, **overrides):
         if kw.get(field) == gpu_value:
             kw[field] = cpu_value
     kw["optimizer"] = GPU_ONLY_OPTIMIZERS.get(kw["optimizer"], kw["optimizer"])
+    if kw["method"] != "qlora":
+        kw.pop("peft_kbit_prepare", None)  # QLoRA's own preparation
     kw["batch_size"] = min(kw["batch_size"], 8)
     return tiny(**kw, vocab_size=1024, max_length=128, out_dir=str(REPO_ROOT / "runs" / "smoke"))
 

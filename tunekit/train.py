@@ -49,8 +49,9 @@ from tunekit.stopping import Diverged, Interrupted, read_metrics  # noqa: F401  
 
 def resolve_runtime(cfg: TuneConfig) -> tuple[str, torch.dtype]:
     device = mdl.resolve_device(cfg.device)
-    if device != "cuda" and cfg.preset in GPU_PRESETS and not cfg.model:
-        raise RuntimeError(f"preset {cfg.preset!r} builds a 6.7B-parameter model and needs a CUDA GPU, "
+    if device != "cuda" and cfg.preset in GPU_PRESETS and not cfg.model and cfg.hidden_size >= 2048:  # its own shape
+        raise RuntimeError(f"preset {cfg.preset!r} builds a {'1.1' if cfg.hidden_size == 2048 else '6.7'}B-parameter "
+                           "model and needs a CUDA GPU, "
                            "but none is visible (run `tunekit doctor`). On this machine use --preset tiny.")
     if cfg.method == "qlora":
         mdl.require_cuda_for_4bit(device)  # before data and model work, not after
@@ -92,6 +93,8 @@ def prepare(cfg: TuneConfig, num_proc: int | None = None, verbose: bool = True):
     packed rows if it is `pack`."""
     import datasets
 
+    if cfg.tokenize == "in_loop":
+        return _in_loop(cfg, verbose)
     run_dir = cfg.run_dir()
     out = run_dir / "prepared"
     src = Path(data.resolve_source(cfg.data))
@@ -131,6 +134,22 @@ def prepare(cfg: TuneConfig, num_proc: int | None = None, verbose: bool = True):
               f"to {cfg.max_length} -> {out}")
         print(f"batches: {stats['packing_reason']}")
     return tokenizer, datasets.load_from_disk(str(out / "dataset")), stats
+
+
+def _in_loop(cfg: TuneConfig, verbose: bool):
+    """`tokenize=in_loop`: the records as they are, tokenized sample by sample as the DataLoader reads them
+    (`data.InLoopTokenized`); only the tokenizer is made (or read) before training."""
+    records = data.load_records(cfg.data, fields=cfg.fields)
+    tokenizer = build_tokenizer(cfg, records)
+    ds = data.InLoopTokenized(records, tokenizer, cfg.max_length, cfg.data, cfg.response_template,
+                              cfg.instruction_template, cfg.chat_template)
+    reason = "pad: tokenize=in_loop (each batch tokenized as it is read, padded to its longest sample)"
+    stats = {"samples": len(ds), "tokens": None, "target_tokens": None, "truncated": None, "packing": "pad",
+             "packing_reason": reason, "tokenize": "in_loop"}
+    if verbose:
+        print(f"data: {len(ds)} records of {cfg.data}, tokenized in the loop")
+        print(f"batches: {reason}")
+    return tokenizer, ds, stats
 
 
 def build_training_model(cfg: TuneConfig, vocab_size: int, device: str, dtype: torch.dtype, verbose: bool = True):
@@ -362,9 +381,19 @@ def batches_from(ds, cfg: TuneConfig, pad_id: int, epoch: int, start_batch: int)
         loader.sampler.set_epoch(epoch)
 
 
-def split_eval(ds, cfg: TuneConfig):
-    """(training rows, held-out rows or None): `eval_split` of the rows, picked by a permutation of `seed`, so
-    a resumed run holds out the same ones."""
+def split_eval(ds, cfg: TuneConfig, tokenizer=None, stats: dict | None = None):
+    """(training rows, held-out rows or None): `eval_data` tokenized as the training data was (packed if it
+    is), or `eval_split` of the rows, picked by a permutation of `seed`, so a resumed run holds out the same
+    ones."""
+    if cfg.eval_data:
+        records = data.load_records(cfg.eval_data, fields=cfg.fields)
+        if cfg.tokenize == "in_loop":
+            return ds, data.InLoopTokenized(records, tokenizer, cfg.max_length, cfg.eval_data, cfg.response_template,
+                                            cfg.instruction_template, cfg.chat_template)
+        held, _ = data.tokenize_dataset(records, tokenizer, cfg.max_length, source=cfg.eval_data,
+                                        response_template=cfg.response_template,
+                                        instruction_template=cfg.instruction_template, chat_template=cfg.chat_template)
+        return ds, data.pack_dataset(held, cfg.max_length) if (stats or {}).get("packing") == "pack" else held
     if not cfg.eval_split:
         return ds, None
     n = max(1, round(cfg.eval_split * len(ds)))
@@ -492,10 +521,11 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
         # Rank 0 tokenizes into the run folder; the others then read what it wrote.
         tokenizer, ds, stats = distributed.main_first(lambda: prepare(cfg, verbose=progress and main))
         say(data.preview(ds, tokenizer, stats))  # one sample as the model sees it, the masked part marked
-        ds, eval_ds = split_eval(ds, cfg)
+        ds, eval_ds = distributed.main_first(lambda: split_eval(ds, cfg, tokenizer, stats))
         if eval_ds is not None:
-            say(f"held out: {len(eval_ds)} of {len(ds) + len(eval_ds)} rows for the eval loss "
-                f"({'every ' + str(cfg.eval_every) + ' steps and ' if cfg.eval_every else ''}at the end)")
+            when = f"{'every ' + str(cfg.eval_every) + ' steps and ' if cfg.eval_every else ''}at the end"
+            say(f"held out: {len(eval_ds)} rows of {cfg.eval_data} for the eval loss ({when})" if cfg.eval_data else
+                f"held out: {len(eval_ds)} of {len(ds) + len(eval_ds)} rows for the eval loss ({when})")
         world = distributed.world_size()
         if len(ds) // world < cfg.batch_size:  # each rank reads len(ds) // world rows
             what = "packed rows" if stats["packing"] == "pack" else "samples"
