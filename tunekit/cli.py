@@ -1,4 +1,5 @@
-"""The `tunekit` command: train, bench, fit, databench, estimate, prepare, doctor, results.
+"""The `tunekit` command: train, bench, fit, databench, estimate, prepare, doctor, results, converge, export,
+generate.
 
 Every command but doctor takes `--preset NAME` and then any config field as `--field value`
 (`tunekit train --preset tiny --lr 1e-3 --max-steps 20`); unknown fields are rejected.
@@ -78,6 +79,20 @@ def make_parser() -> argparse.ArgumentParser:
                    "'adamw=3e-4,1e-3;lion=3e-5,1e-4'")
     p.add_argument("--name", default="converge", help="result name (default converge)")
     p.add_argument("--out", default="runs/bench", help="a .json file or a folder (default runs/bench)")
+    p = sub.add_parser("export", help="merge a finished run's adapter into a plain model folder and check it",
+                       description="Rebuild the run's base in --dtype, attach its adapter, merge, save where "
+                       "from_pretrained reads it, reload, and compare logits with the unmerged model.",
+                       allow_abbrev=False)
+    p.add_argument("run_dir", help="the run folder (its config.json and adapter/)")
+    p.add_argument("--out", default="", help="where the merged model goes (default <run_dir>/merged)")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p = sub.add_parser("generate", help="answer prompts with a finished run's model (greedy)", allow_abbrev=False)
+    p.add_argument("run_dir", help="the run folder (its config.json and adapter/ or model/)")
+    p.add_argument("prompts", nargs="+", help="prompt texts, each as training rendered them (e.g. "
+                   "'Question: ...\nAnswer: ')")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p = sub.add_parser("databench", help="lesson 1's data measurements (train | loader | read)",
                        description="train: C1, GPU wait and packing on the preset's model; loader: DataLoader "
                        "knob sweep; read: RAM vs memory-mapped vs JSONL.", **common)
@@ -154,7 +169,7 @@ def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = make_parser()
     args, rest = parser.parse_known_args(argv)
-    takes_fields = args.command not in ("doctor", "results", "commbench")
+    takes_fields = args.command not in ("doctor", "results", "commbench", "export", "generate")
     if msg := unknown_arguments(parser.commands[args.command], rest, takes_fields):
         print(f"tunekit {args.command}: error: {msg}", file=sys.stderr)
         return 2
@@ -194,6 +209,8 @@ def _main(argv: list[str] | None = None) -> int:
                       f"busbw {r['busbw_gbps']:7.2f} GB/s")
             print(f"result -> {save_result(result, args.out)}")
         return 0
+    if args.command in ("export", "generate"):
+        return _export(args)
     try:
         cfg = resolve(args.preset, rest)
         if args.command == "bench":
@@ -265,6 +282,28 @@ def _main(argv: list[str] | None = None) -> int:
             from tunekit.train import prepare
 
             prepare(cfg, num_proc=args.num_proc)
+    except (ConfigError, ValueError, FileNotFoundError, RuntimeError, OSError) as e:
+        print(f"tunekit {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _export(args) -> int:
+    """`tunekit export RUN` and `tunekit generate RUN PROMPT...`: a finished run's model, merged or answering."""
+    from tunekit import export
+    from tunekit.config import ConfigError
+    from tunekit.model import DTYPE, resolve_device
+
+    try:
+        device = resolve_device(args.device)
+        if args.command == "export":
+            r = export.merge_run(args.run_dir, args.out or None, device, DTYPE[args.dtype])
+            print(f"merged -> {r['merged_dir']} ({r['dtype']}); largest logit difference, relative: merged vs "
+                  f"adapter {r['merged_vs_adapter']:.1e}, reloaded vs merged {r['reloaded_vs_merged']:.1e}")
+        else:
+            for prompt, text in zip(args.prompts, export.generate(args.run_dir, args.prompts, args.max_new_tokens,
+                                                                   device)):
+                print(f"{prompt}{text}\n")
     except (ConfigError, ValueError, FileNotFoundError, RuntimeError, OSError) as e:
         print(f"tunekit {args.command}: error: {e}", file=sys.stderr)
         return 2

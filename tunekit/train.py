@@ -152,11 +152,16 @@ def _in_loop(cfg: TuneConfig, verbose: bool):
     return tokenizer, ds, stats
 
 
+def run_arch(cfg: TuneConfig, vocab_size: int):
+    """The Llama config of a random-init run: the config's shape, its vocabulary or the tokenizer's."""
+    return mdl.llama_config(cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.intermediate_size,
+                            cfg.vocab_size or vocab_size, cfg.num_kv_heads, max(cfg.max_length, 2048))
+
+
 def build_training_model(cfg: TuneConfig, vocab_size: int, device: str, dtype: torch.dtype, verbose: bool = True):
     """The model as it will train: base weights (random init, hub or local), LoRA/QLoRA, checkpointing."""
     attn, why = choose_attention(cfg.attention, device, packed=cfg.packing == "pack")
-    arch = mdl.llama_config(cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.intermediate_size,
-                            cfg.vocab_size or vocab_size, cfg.num_kv_heads, max(cfg.max_length, 2048))
+    arch = run_arch(cfg, vocab_size)
     if cfg.vocab_size and vocab_size > cfg.vocab_size:
         raise ValueError(f"the tokenizer has {vocab_size} tokens but vocab_size is {cfg.vocab_size}; "
                          f"raise --vocab-size or lower --tokenizer-vocab.")
