@@ -166,3 +166,24 @@ def test_run_train_loop_times_the_real_loop(tmp_path, small_data):
     assert not (tmp_path / "unused").exists(), "the timed run goes to a scratch folder"
     # The config recorded is the one asked for (`auto` packing); what it resolved to is `packing`.
     assert r["config"]["packing"] == "auto"
+
+
+def test_run_epoch_times_a_run_from_nothing(tmp_path, small_data):
+    """`bench --epoch F`: `tunekit train --epochs F` in a fresh folder; its parts add up to the wall time, the
+    steps' real tokens give tok/s, the loss curve is against seconds since start, and a whole epoch is
+    projected from the steps' share."""
+    cfg = tiny(data=str(small_data), max_length=128, batch_size=4, packing="pad", eval_data=str(small_data),
+                      **SMALL_ARCH)
+    r = bench.run_epoch(cfg, 0.5, "epoch_tiny", verbose=False)
+    t = r["timings"]
+    parts = t["start_s"] + t["prepare_s"] + t["build_s"] + t["train_s"]
+    assert parts <= r["wall_s"] + 0.5 and r["wall_s"] - parts < 5  # (the final save and summary are the rest)
+    assert r["steps"] == 8 and r["samples_seen"] == 32  # 64 records, half an epoch, batches of 4
+    assert r["tokens_per_s"] == pytest.approx(r["tokens_seen"] / (t["train_s"] - t["eval_s"]), rel=1e-3)
+    steps_s = t["train_s"] - t["eval_s"]
+    assert r["epoch_s_projected"] == pytest.approx(t["start_s"] + t["prepare_s"] + t["build_s"] + 2 * steps_s
+                                                   + t["eval_s"], abs=0.2)
+    times = [x for x, _ in r["curve"]]
+    assert times == sorted(times) and len(r["curve"]) == 8 and r["eval_loss"] is not None
+    with pytest.raises(ValueError, match="share of one epoch"):
+        bench.run_epoch(cfg, 1.5)

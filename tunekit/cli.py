@@ -68,6 +68,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/bench", help="a .json file or a folder (default runs/bench)")
     p.add_argument("--repeat", type=int, default=1, help="bench in this many fresh processes and record the "
                    "run-to-run spread (one result with every run)")
+    p.add_argument("--epoch", type=float, default=0.0, metavar="FRACTION",
+                   help="time `tunekit train` for this share of an epoch from a fresh folder (tokenizing, build, "
+                   "compile, steps, eval), and project a whole epoch (default name epoch_<preset>)")
     p.add_argument("--train-loop", action="store_true", help="time `tunekit train` itself on the config's real "
                    "data (its batches, DataLoader and logging) for --bench-max-steps steps, not the bare step on "
                    "random tokens; tok/s counts real tokens (default name train_<preset>)")
@@ -217,7 +220,11 @@ def _main(argv: list[str] | None = None) -> int:
             from tunekit.bench import measure_noise, run_bench
             from tunekit.results import save_result
 
-            if args.train_loop:
+            if args.epoch:
+                from tunekit.bench import run_epoch
+
+                result = run_epoch(cfg, args.epoch, args.name)
+            elif args.train_loop:
                 from tunekit.bench import run_train_loop
 
                 if args.repeat > 1:

@@ -495,6 +495,7 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
 
     if resume and overwrite:
         raise ValueError("--resume continues the run in the folder and --overwrite replaces it: pick one.")
+    t0 = time.perf_counter()
     device, dtype = resolve_runtime(cfg)
     distributed.init(device)  # under torchrun: the process group, this rank's GPU (else nothing)
     main = distributed.is_main()  # rank 0 alone prints and writes the run's files
@@ -524,6 +525,7 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
             return {"steps": step, "losses": [], "final_loss": None, "data": stats, "run_dir": str(run_dir)}
 
         # Rank 0 tokenizes into the run folder; the others then read what it wrote.
+        timings = {"start_s": time.perf_counter() - t0}  # the device resolved, the run folder checked
         tokenizer, ds, stats = distributed.main_first(lambda: prepare(cfg, verbose=progress and main))
         say(data.preview(ds, tokenizer, stats))  # one sample as the model sees it, the masked part marked
         ds, eval_ds = distributed.main_first(lambda: split_eval(ds, cfg, tokenizer, stats))
@@ -539,8 +541,11 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
         cfg = run_length(dataclasses.replace(cfg, packing=stats["packing"]), len(ds), world, say)
         resolved = resolved_config(cfg, device, dtype)
         torch.manual_seed(cfg.seed)
+        t_build = time.perf_counter()
+        timings["prepare_s"] = t_build - t0 - timings["start_s"]  # tokenizing (or reading it back), held-out rows
         model, optimizer, scheduler, options = build_training(cfg, len(tokenizer), device, dtype, cfg.max_steps,
                                                               progress and main)
+        timings["build_s"] = time.perf_counter() - t_build
         epoch, start_batch = 0, 0
         if ckpt is not None:
             saved = checkpoint.load_checkpoint(ckpt, model, optimizer, scheduler, verify=False)  # open_run did
@@ -571,9 +576,13 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
         bar = tqdm(total=cfg.max_steps, initial=step, desc="train") if progress and stopping.on_terminal() else None
         memory.reset_peak_memory(device)
         t_last, tokens_since, losses, saved_at, eval_losses = time.perf_counter(), 0, [], step, []
-        # Samples and real tokens trained on so far, counting the run this one resumes.
+        t_loop, eval_total = t_last, 0.0
+        # Samples and real tokens trained on so far, and the run's wall-clock seconds, counting the run this one
+        # resumes.
         seen = {k: saved["data"].get(k, 0) if ckpt else 0 for k in ("samples", "tokens")}
-        position = {"epoch": epoch, "next_batch": start_batch, **seen, "world": world}  # of the last finished step
+        elapsed0 = saved["data"].get("elapsed_s", 0.0) if ckpt else 0.0
+        position = {"epoch": epoch, "next_batch": start_batch, **seen, "world": world,  # of the last finished step
+                    "elapsed_s": elapsed0}
         with open(metrics_file, "a") if main else contextlib.nullcontext() as mf:
             while step < cfg.max_steps and state["signal"] is None:
                 micro, counts = [], [0, 0]  # this rank's samples and real tokens (counted on the host)
@@ -590,7 +599,8 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
                 seen["samples"], seen["tokens"] = seen["samples"] + int(counts[0]), seen["tokens"] + int(counts[1])
                 tokens_since += int(counts[1])
                 step += 1
-                position = {"epoch": epoch, "next_batch": index + 1, **seen, "world": world}
+                position = {"epoch": epoch, "next_batch": index + 1, **seen, "world": world,
+                            "elapsed_s": round(elapsed0 + time.perf_counter() - t0, 3)}
                 loss, grad_norm = out["loss"].item(), float(out["grad_norm"])
                 losses.append(loss)
                 diverged = not (math.isfinite(loss) and math.isfinite(grad_norm))
@@ -602,13 +612,14 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
                     eval_losses.append((step, evaluate(options["step_module"], model, eval_ds, cfg,
                                                        tokenizer.pad_token_id, device, options["sdpa_backends"])))
                     eval_s = time.perf_counter() - t_eval
+                    eval_total += eval_s
                 if diverged or eval_now or step % cfg.log_every == 0 or step == cfg.max_steps:
                     now = time.perf_counter()
                     alloc, _ = memory.peak_memory_gb(device)
                     row = {"step": step, "loss": round(loss, 6), "lr": scheduler.get_last_lr()[0],
                            "grad_norm": round(grad_norm, 6), "epoch": epoch, **seen,
                            "tok_per_s": round(tokens_since / (now - t_last - eval_s), 1),
-                           "peak_mem_gb": round(alloc, 3)}
+                           "peak_mem_gb": round(alloc, 3), "elapsed_s": round(elapsed0 + now - t0, 3)}
                     if eval_now:
                         row["eval_loss"] = round(eval_losses[-1][1], 6)
                     if mf is not None:
@@ -656,7 +667,12 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
                    "samples_seen": seen["samples"], "tokens_seen": seen["tokens"],
                    "epochs_seen": round(seen["samples"] / max(1, stats["samples"]), 4),
                    "packing": stats["packing"], "data": stats, "run_dir": str(run_dir),
-                   "eval_losses": eval_losses, "eval_loss": eval_losses[-1][1] if eval_losses else None}
+                   "eval_losses": eval_losses, "eval_loss": eval_losses[-1][1] if eval_losses else None,
+                   "vocab_size": len(tokenizer), "params_trainable": mdl.count_parameters(model)[0],
+                   # this process's wall-clock seconds: start (device, run folder), prepare (tokenizing or reading
+                   # it back), build (model, adapters, wrapping), train (the steps, held-out evaluations included)
+                   "timings": {**{k: round(v, 3) for k, v in timings.items()},
+                               "train_s": round(time.perf_counter() - t_loop, 3), "eval_s": round(eval_total, 3)}}
         if step >= cfg.max_steps:  # (a signal now changes nothing: the run is finishing)
             checkpoint.save_checkpoint(run_dir, step, model, optimizer, scheduler, position, cfg.keep_checkpoints)
             # LoRA: the PEFT adapter folder; full fine-tuning: the whole model, loadable with from_pretrained.
