@@ -169,3 +169,20 @@ def test_notebook_code_fits_a_laptop_screen():
             for path in paths for i, cell in enumerate(nbformat.read(path, as_version=4).cells)
             if cell.cell_type == "code" for j, line in enumerate(cell.source.split("\n")) if len(line) > 100]
     assert not long, "code lines over 100 characters:\n" + "\n".join(long)
+
+
+def test_lesson5_waterfall_runs_from_before_to_after():
+    """Its first step is the `llama7b_before` preset, its last `llama7b_after` field for field (but the name),
+    and each step is a config the CLI accepts."""
+    from tunekit import cli, config, notebook
+
+    runs = notebook.lesson5_runs(0.1)
+    assert [name for name, _, _ in runs] == [f"l5_step{i}" for i in range(len(notebook.LESSON5_STEPS))]
+    ends = []
+    for _, _, args in (runs[0], runs[-1]):
+        parsed, rest = cli.make_parser().parse_known_args(args)
+        assert parsed.epoch == 0.1
+        ends.append(config.config_dict(config.resolve(parsed.preset, rest)))
+    before, after = (config.config_dict(c) for c in (config.llama7b_before(), config.llama7b_after()))
+    assert ends[0] == before
+    assert {k: v for k, v in ends[1].items() if k != "preset"} == {k: v for k, v in after.items() if k != "preset"}

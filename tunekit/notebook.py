@@ -253,6 +253,39 @@ def lesson4_plan(gpu: bool) -> dict[str, list[tuple[str, list, str]]]:
                 ("l4_lora_fp8_regional", [*lora, "--fp8", "--compile", "regional"], "cold:fp8")]}
 
 
+# Lesson 5's waterfall: from the article's "before" to tunekit's "after", one technique at a time. Each step is
+# (label, the config fields it changes); each run keeps the ones before it. The last step is `llama7b_after`
+# exactly (tests/test_notebook.py checks it), so the bars add up to the two ends.
+LESSON5_STEPS = [
+    ("before: the article's recipe", {}),
+    ("+ offline tokenization", {"tokenize": "offline"}),
+    ("+ DataLoader workers, pinned memory", {"num_workers": 2, "pin_memory": True, "persistent_workers": True}),
+    ("+ SDPA (cuDNN) attention", {"attention": "auto"}),
+    ("+ no peft casts or k-bit upcasts, chunked loss", {"lora_input_cast": False, "peft_kbit_prepare": False,
+                                                        "loss": "chunked"}),
+    ("+ packed rows", {"packing": "auto"}),
+    ("+ bf16 LoRA without checkpointing (fits the GPU)", {"method": "lora", "grad_ckpt": False, "batch_size": 4,
+                                                         "grad_accum": 1}),
+    ("+ TF32, fused AdamW", {"tf32": True, "optimizer": "adamw"}),
+    ("+ regional compile: the after recipe", {"compile": "regional"}),
+]
+
+
+def lesson5_runs(fraction: float) -> list[tuple[str, str, list[str]]]:
+    """(result name, label, `tunekit bench` arguments) of each waterfall step: `--epoch FRACTION` of GSM8K
+    from a fresh folder, the `llama7b_before` preset with the fields of every step so far."""
+    from tunekit.config import llama7b_before
+
+    fields: dict = {}
+    out = []
+    for i, (label, change) in enumerate(LESSON5_STEPS):
+        fields.update(change)
+        args = [f"--{k.replace('_', '-')}={str(v).lower() if isinstance(v, bool) else v}" for k, v in fields.items()]
+        llama7b_before(**fields)  # every step is a valid config
+        out.append((f"l5_step{i}", label, ["bench", "--preset", "llama7b_before", "--epoch", str(fraction), *args]))
+    return out
+
+
 def gpu_count() -> int:
     return torch.cuda.device_count() if on_gpu() else 0
 
