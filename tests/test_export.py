@@ -62,3 +62,24 @@ def test_the_cli_exports_and_generates(finished_run, tmp_path, capsys):
     assert "Question: 2 + 2?" in capsys.readouterr().out
     assert cli.main(["export", str(tmp_path / "nowhere")]) == 2
     assert "no config file there" in capsys.readouterr().err
+
+
+def test_a_bf16_merge_keeps_the_buffers_and_reloads_exactly(finished_run, tmp_path):
+    """The weights go to bf16, RoPE's frequencies stay fp32 (cast, they would shift every position), so the
+    model reloaded from disk is the merged one to the last bit."""
+    cfg, _ = finished_run
+    r = export.merge_run(cfg.run_dir(), tmp_path / "m16", dtype=torch.bfloat16)
+    assert r["reloaded_vs_merged"] == 0.0 and r["merged_vs_adapter"] < 2e-2
+
+
+def test_a_run_loads_from_another_folder(tmp_path, small_data, monkeypatch):
+    """A run started with a relative --out-dir is found by the path given, wherever the command runs."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    cfg = config.tiny(out_dir="runs/x", data=str(small_data), max_steps=2, batch_size=4, max_length=128,
+                      **SMALL_ARCH)
+    train.train(cfg, progress=False)
+    monkeypatch.chdir(tmp_path / "b")
+    model, tokenizer, saved = export.load_run(tmp_path / "a" / "runs" / "x", dtype=torch.float32)
+    assert saved.out_dir == "runs/x" and len(tokenizer) > 0

@@ -334,6 +334,15 @@ def save_adapter(model, path: str | os.PathLike, state_dict: dict | None = None)
     return Path(path)
 
 
+def cast_weights(model, dtype: torch.dtype):
+    """`model` with its parameters in `dtype` and its buffers as they were: `model.to(dtype)` would also cast
+    RoPE's fp32 frequencies, shifting every position (a bf16 model then differs from the same weights loaded
+    with `from_pretrained`)."""
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    return model
+
+
 def merge_adapter(model, out_dir: str | os.PathLike | None = None, dtype: torch.dtype = torch.bfloat16):
     """Fold LoRA updates into the base weights (W + B @ A * alpha / r) and return a plain model in `dtype`,
     for export or fast inference; with `out_dir`, also save it there atomically (from_pretrained-ready).
@@ -342,7 +351,7 @@ def merge_adapter(model, out_dir: str | os.PathLike | None = None, dtype: torch.
     if any(hasattr(p, "quant_state") for p in model.parameters()):
         raise ValueError("merge_adapter: the base model is 4-bit; load it in bf16 (build_model / from_pretrained "
                          "without quantization), attach the adapter with load_adapter, then merge.")
-    merged = model.merge_and_unload().to(dtype)
+    merged = cast_weights(model.merge_and_unload(), dtype)
     if out_dir is not None:
         save_adapter(merged, out_dir)
     return merged
