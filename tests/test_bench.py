@@ -187,3 +187,19 @@ def test_run_epoch_times_a_run_from_nothing(tmp_path, small_data):
     assert times == sorted(times) and len(r["curve"]) == 8 and r["eval_loss"] is not None
     with pytest.raises(ValueError, match="share of one epoch"):
         bench.run_epoch(cfg, 1.5)
+
+
+def test_profile_step_says_where_the_time_goes(tmp_path):
+    r = bench.profile_step(tiny(max_length=128, vocab_size=256, out_dir=str(tmp_path), **SMALL_ARCH), steps=2,
+                           warmup=1, verbose=False)
+    assert sum(x["share"] for x in r["breakdown"]) == pytest.approx(1.0, abs=1e-3)
+    cats = {x["category"] for x in r["breakdown"]}
+    assert {"matmul", "attention"} <= cats and r["kernel_s_per_step"] <= r["step_wall_s"] * 1.5
+    assert r["top"][0]["seconds"] == max(x["seconds"] for x in r["top"])
+    # GPU kernel names land where a reader expects them
+    names = {"sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "matmul", "nvjet_tst_128x256_64x4": "matmul",
+             "flash_fwd_kernel<Flash_fwd_kernel_traits>": "attention", "cudnn_generated_fort_native_sdpa_sm90": "attention",
+             "void multi_tensor_apply_kernel<adam>": "optimizer", "ncclDevKernel_AllReduce_Sum_f32_RING_LL": "communication",
+             "void kDequantizeBlockwise<__nv_bfloat16, 512, 64, 8, 2>": "dequantize",
+             "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add>": "elementwise, other"}
+    assert {n: bench.categorize(n) for n in names} == names

@@ -124,23 +124,25 @@ def compile_cache_state() -> dict:
     return {"dir": str(folder), "state": "cold" if cold else "warm"}
 
 
-def run_bench(cfg: TuneConfig, name: str = "", verbose: bool = True, memory_cap_gb: float | None = None) -> dict:
-    """Build the model of `cfg`, time its training step, and return a result dict (see module docstring).
-    `memory_cap_gb` records the allocator cap the caller set (it sets none itself)."""
+def _runtime(cfg: TuneConfig, verbose: bool):
+    """(device, dtype, vocabulary size, whether this process prints) for a benchmark of `cfg`; under torchrun
+    the process group is up (every rank times its own share; each step synchronises them all)."""
     from tunekit import distributed
     from tunekit import train as tr
-    from tunekit.model import count_parameters
 
     cfg.validate()  # fields may have been set after construction
     device, dtype = tr.resolve_runtime(cfg)
-    distributed.init(device)  # under torchrun: every rank times its own share; each step synchronises them all
-    verbose = verbose and distributed.is_main()
-    vocab = cfg.vocab_size or len(tr.build_tokenizer(cfg))
+    distributed.init(device)
+    return device, dtype, cfg.vocab_size or len(tr.build_tokenizer(cfg)), verbose and distributed.is_main()
+
+
+def _bench_step(cfg: TuneConfig, device: str, dtype: torch.dtype, vocab: int, verbose: bool):
+    """(model, optimizer, scheduler, step): the config's training pieces and one optimizer step of them on
+    fixed random tokens (every position a target; packed rows when `packing` is pack)."""
+    from tunekit import train as tr
+
     torch.manual_seed(cfg.seed)
-    memory.reset_peak_memory(device)
-    t0 = time.perf_counter()
     model, optimizer, scheduler, options = tr.build_training(cfg, vocab, device, dtype, 10**9, verbose)
-    build_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(cfg.seed)
     micro = []
     for _ in range(cfg.grad_accum):
@@ -152,6 +154,21 @@ def run_bench(cfg: TuneConfig, name: str = "", verbose: bool = True, memory_cap_
 
     def step():
         tr.train_step(model, micro, optimizer, scheduler, cfg.max_grad_norm, **options)
+
+    return model, optimizer, scheduler, step
+
+
+def run_bench(cfg: TuneConfig, name: str = "", verbose: bool = True, memory_cap_gb: float | None = None) -> dict:
+    """Build the model of `cfg`, time its training step, and return a result dict (see module docstring).
+    `memory_cap_gb` records the allocator cap the caller set (it sets none itself)."""
+    from tunekit import distributed
+    from tunekit.model import count_parameters
+
+    device, dtype, vocab, verbose = _runtime(cfg, verbose)
+    memory.reset_peak_memory(device)
+    t0 = time.perf_counter()
+    model, optimizer, _, step = _bench_step(cfg, device, dtype, vocab, verbose)
+    build_s = time.perf_counter() - t0
 
     # The step's peak, not the load's (recorded as load_peak_gb): a 4-bit load quantizes bf16 weights on the
     # way, and a random-init model is built in bf16 first.
@@ -197,6 +214,73 @@ def run_bench(cfg: TuneConfig, name: str = "", verbose: bool = True, memory_cap_
 
         print(format_table([result]))
     distributed.barrier()  # no rank tears the group down while another still talks to it
+    return result
+
+
+# ---- where a step's time goes -----------------------------------------------------------------------------
+
+# Kernel/operator name fragments (lower case) for each category, tried in order; the rest is "elementwise,
+# other" (adds, multiplies, reductions the other categories do not claim).
+PROFILE_CATEGORIES = (
+    ("attention", ("attention", "flash", "fmha", "sdpa", "flex", "cudnn_sdp", "softmax_fwd")),
+    ("dequantize", ("dequant", "4bit", "nf4")),
+    ("optimizer", ("adam", "lion", "multi_tensor", "_foreach_")),
+    ("loss", ("cross_entropy", "log_softmax", "nll_loss", "_chunkedlmloss")),
+    ("communication", ("nccl", "all_reduce", "allreduce", "reduce_scatter", "all_gather")),
+    ("matmul", ("gemm", "matmul", "aten::mm", "aten::addmm", "aten::bmm", "cutlass", "xmma", "nvjet", "sm90_", "_mm")),
+    ("norm, activation, rope", ("rms", "norm", "silu", "swiglu", "rotary", "rope")),
+    ("copy, cast", ("copy", "cast", "fill")),
+)
+
+
+def categorize(name: str) -> str:
+    low = name.lower()
+    return next((cat for cat, keys in PROFILE_CATEGORIES if any(k in low for k in keys)), "elementwise, other")
+
+
+def profile_step(cfg: TuneConfig, steps: int = 3, warmup: int = 2, name: str = "", verbose: bool = True) -> dict:
+    """Where one optimizer step of `cfg` spends its time: `torch.profiler` over `steps` steps after `warmup`,
+    each kernel's own time (GPU kernels on CUDA, operators on CPU) summed by category (`PROFILE_CATEGORIES`,
+    by name), as shares of the total, with the ten costliest kernels. The first thing to read before making a
+    step faster (issue 14)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device, dtype, vocab, verbose = _runtime(cfg, verbose)
+    *_, step = _bench_step(cfg, device, dtype, vocab, verbose)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    with speedups.tf32(cfg.tf32) if device == "cuda" else contextlib.nullcontext():
+        for _ in range(warmup):
+            step()
+        sync()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+        t0 = time.perf_counter()
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                step()
+            sync()
+        wall = (time.perf_counter() - t0) / steps
+    kernels = {}
+    for e in prof.key_averages():
+        own = (e.self_device_time_total if device == "cuda" else e.self_cpu_time_total) / 1e6 / steps
+        if own > 0 and (device == "cuda" or e.key.startswith("aten::")):  # on CPU: the operators' own time
+            kernels[e.key] = kernels.get(e.key, 0.0) + own
+    total = sum(kernels.values())
+    by_category: dict[str, float] = {}
+    for k, v in kernels.items():
+        by_category[categorize(k)] = by_category.get(categorize(k), 0.0) + v
+    breakdown = sorted(({"category": c, "seconds": round(v, 6), "share": round(v / total, 4)}
+                        for c, v in by_category.items()), key=lambda r: -r["seconds"])
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:10]
+    result = new_result(
+        name or f"profile_{cfg.preset}", cfg, None, None,
+        call=f"bench.profile_step(TuneConfig(**config), {steps}, {warmup}, name={name or 'profile_' + cfg.preset!r})",
+        step_wall_s=round(wall, 5), kernel_s_per_step=round(total, 5),
+        measure="GPU kernels' own time" if device == "cuda" else "CPU operators' own time",
+        breakdown=breakdown, top=[{"kernel": k[:120], "seconds": round(v, 6), "category": categorize(k)} for k, v in top])
+    if verbose:
+        print(f"{result['name']}: {1e3 * wall:.1f} ms a step, {1e3 * total:.1f} ms in kernels ({result['measure']})")
+        for r in breakdown:
+            print(f"  {r['category']:<24} {1e3 * r['seconds']:9.2f} ms  {r['share']:6.1%}")
     return result
 
 

@@ -68,6 +68,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/bench", help="a .json file or a folder (default runs/bench)")
     p.add_argument("--repeat", type=int, default=1, help="bench in this many fresh processes and record the "
                    "run-to-run spread (one result with every run)")
+    p.add_argument("--profile", action="store_true", help="where the step's time goes: torch.profiler over a few "
+                   "steps, kernel time by category and the costliest kernels (default name profile_<preset>)")
     p.add_argument("--epoch", type=float, default=0.0, metavar="FRACTION",
                    help="time `tunekit train` for this share of an epoch from a fresh folder (tokenizing, build, "
                    "compile, steps, eval), and project a whole epoch (default name epoch_<preset>)")
@@ -220,7 +222,11 @@ def _main(argv: list[str] | None = None) -> int:
             from tunekit.bench import measure_noise, run_bench
             from tunekit.results import save_result
 
-            if args.epoch:
+            if args.profile:
+                from tunekit.bench import profile_step
+
+                result = profile_step(cfg, name=args.name)
+            elif args.epoch:
                 from tunekit.bench import run_epoch
 
                 result = run_epoch(cfg, args.epoch, args.name)
