@@ -68,3 +68,16 @@ def test_render_readme_replaces_blocks_and_needs_them():
     assert claims.render_readme(out, {}) == out
     with pytest.raises(ValueError, match="results:start"):
         claims.render_readme("no blocks", {})
+
+
+def test_c16_is_the_ratio_of_the_two_epochs():
+    def epoch(name, seconds, tps):
+        return {"name": name, "epoch_s_projected": seconds, "tokens_per_s": tps, "peak_memory_gb": 20.0,
+                "fraction": 0.25, "config": {"batch_size": 8}}
+
+    rs = {"l5_before": epoch("l5_before", 9000, 1500), "l5_after": epoch("l5_after", 900, 16000)}
+    v = claims.judge("C16", rs)
+    assert v.verdict == "holds: 10.0x" and "target is 8x (met)" in v.evidence and "projected" in v.evidence
+    rs["l5_after"] = epoch("l5_after", 3000, 5000)
+    assert claims.judge("C16", rs).verdict.startswith("partly: 3.0x")
+    assert claims.judge("C16", {}).verdict == "unmeasured"

@@ -177,7 +177,8 @@ def test_lesson5_waterfall_runs_from_before_to_after():
     from tunekit import cli, config, notebook
 
     runs = notebook.lesson5_runs(0.1)
-    assert [name for name, _, _ in runs] == [f"l5_step{i}" for i in range(len(notebook.LESSON5_STEPS))]
+    n = len(notebook.LESSON5_STEPS)
+    assert [name for name, _, _ in runs] == ["l5_before", *(f"l5_step{i}" for i in range(1, n - 1)), "l5_after"]
     ends = []
     for _, _, args in (runs[0], runs[-1]):
         parsed, rest = cli.make_parser().parse_known_args(args)

@@ -282,7 +282,8 @@ def lesson5_runs(fraction: float) -> list[tuple[str, str, list[str]]]:
         fields.update(change)
         args = [f"--{k.replace('_', '-')}={str(v).lower() if isinstance(v, bool) else v}" for k, v in fields.items()]
         llama7b_before(**fields)  # every step is a valid config
-        out.append((f"l5_step{i}", label, ["bench", "--preset", "llama7b_before", "--epoch", str(fraction), *args]))
+        name = "l5_before" if i == 0 else "l5_after" if i == len(LESSON5_STEPS) - 1 else f"l5_step{i}"
+        out.append((name, label, ["bench", "--preset", "llama7b_before", "--epoch", str(fraction), *args]))
     return out
 
 
