@@ -301,6 +301,11 @@ def default_num_workers() -> int:
     return min(8, cores // 2)
 
 
+def model_columns(ds):
+    """The dataset as the collator takes it: only the columns the model reads, as lists."""
+    return ds.with_format(columns=[c for c in ("input_ids", "labels", "position_ids") if c in ds.column_names])
+
+
 def build_dataloader(ds, batch_size: int, pad_id: int, seed: int = 0, epoch: int = 0, start_batch: int = 0,
                      num_workers: int | None = 0, pin_memory: bool | None = None, *,
                      prefetch_factor: int | None = None, persistent_workers: bool | None = None,
@@ -328,9 +333,7 @@ def build_dataloader(ds, batch_size: int, pad_id: int, seed: int = 0, epoch: int
     # Its own generator: otherwise each new iterator draws a seed from the global RNG, and a resumed run
     # (which makes one more iterator than an uninterrupted one) would see different dropout masks.
     generator = epoch_generator(seed, epoch)
-    if hasattr(ds, "with_format"):  # a datasets.Dataset: only the columns the collator takes, as lists
-        ds = ds.with_format(columns=[c for c in ("input_ids", "labels", "position_ids") if c in ds.column_names])
-    return torch.utils.data.DataLoader(ds, batch_size=batch_size, sampler=sampler,
+    return torch.utils.data.DataLoader(model_columns(ds), batch_size=batch_size, sampler=sampler,
                                        collate_fn=Collator(pad_id, pad_to_multiple_of, pad_to), drop_last=True,
                                        num_workers=num_workers, pin_memory=pin_memory, generator=generator,
                                        **extra)

@@ -22,7 +22,6 @@ MFU (model FLOPs utilisation, https://arxiv.org/abs/2204.02311 appendix B) count
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from pathlib import Path
@@ -177,7 +176,7 @@ def run_bench(cfg: TuneConfig, name: str = "", verbose: bool = True, memory_cap_
     cache = compile_cache_state() if cfg.compile != "none" else None  # before anything compiles
     warmup_times: list[float] = []
     try:
-        with speedups.tf32(cfg.tf32) if device == "cuda" else contextlib.nullcontext():
+        with speedups.tf32(cfg.tf32, device):
             times = measure_step(step, cfg.bench_warmup, cfg.bench_steps, device, cfg.bench_max_steps,
                                  cfg.bench_target_error, warmup_times)
     except torch.OutOfMemoryError:
@@ -248,7 +247,7 @@ def profile_step(cfg: TuneConfig, steps: int = 3, warmup: int = 2, name: str = "
     device, dtype, vocab, verbose = _runtime(cfg, verbose)
     *_, step = _bench_step(cfg, device, dtype, vocab, verbose)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    with speedups.tf32(cfg.tf32) if device == "cuda" else contextlib.nullcontext():
+    with speedups.tf32(cfg.tf32, device):
         for _ in range(warmup):
             step()
         sync()
@@ -287,6 +286,44 @@ def profile_step(cfg: TuneConfig, steps: int = 3, warmup: int = 2, name: str = "
 # ---- the training loop itself, on real data ------------------------------------------------------------
 
 
+def _scratch_dir(kind: str) -> Path:
+    """A scratch run folder: one for all ranks of a torchrun launch (named by its rendezvous), else this
+    process's own."""
+    import os
+    import tempfile
+
+    from tunekit import distributed
+
+    job = (f"{os.environ.get('MASTER_ADDR')}-{os.environ.get('MASTER_PORT')}" if distributed.launched()
+           else str(os.getpid()))
+    return Path(tempfile.gettempdir()) / f"tunekit-{kind}-{job}"
+
+
+def _train_in_scratch(run: TuneConfig, kind: str, fresh: bool = False, **train_kwargs):
+    """`train.train(run, overwrite=True, **train_kwargs)` in the scratch folder `_scratch_dir(kind)`, removed
+    afterwards; `fresh` empties it first, tokenized data included (`--overwrite` keeps that). Returns
+    (summary, metrics rows, wall seconds) on rank 0, None on the others."""
+    import dataclasses
+    import shutil
+
+    from tunekit import distributed
+    from tunekit import train as tr
+
+    tmp = _scratch_dir(kind)
+    try:
+        if fresh and distributed.is_main():
+            shutil.rmtree(tmp, ignore_errors=True)
+        t0 = time.perf_counter()
+        summary = tr.train(dataclasses.replace(run, out_dir=str(tmp)), overwrite=True, **train_kwargs)
+        wall = time.perf_counter() - t0
+        rows = tr.read_metrics(tmp)
+        distributed.barrier()  # every rank has finished before rank 0 removes the folder
+    finally:
+        if distributed.is_main():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return (summary, rows, wall) if distributed.is_main() else None
+
+
 def run_train_loop(cfg: TuneConfig, name: str = "", verbose: bool = True) -> dict:
     """Time `tunekit train` itself: the config's real data, prepared and batched as a run does it (`packing`
     and all), the DataLoader, the step, the metrics row each step — everything the bare-step bench leaves out.
@@ -297,38 +334,22 @@ def run_train_loop(cfg: TuneConfig, name: str = "", verbose: bool = True) -> dic
     the timed steps' tokens over their wall time. Tokenizing before the loop is not timed. Under torchrun
     every rank trains; rank 0 returns the result, the others None."""
     import dataclasses
-    import os
-    import shutil
-    import tempfile
 
     from tunekit import distributed
-    from tunekit import train as tr
 
     cfg.validate()
     steps = cfg.bench_max_steps
     if steps <= cfg.bench_warmup + 2:
         raise ValueError(f"bench_max_steps ({steps}) must exceed bench_warmup ({cfg.bench_warmup}) by at least 3")
-    # One scratch folder for all ranks of a torchrun launch (named by its rendezvous), else this process's own.
-    job = (f"{os.environ.get('MASTER_ADDR')}-{os.environ.get('MASTER_PORT')}" if distributed.launched()
-           else str(os.getpid()))
-    tmp = Path(tempfile.gettempdir()) / f"tunekit-train-loop-{job}"
     verbose = verbose and distributed.is_main()
-    try:
-        run = dataclasses.replace(cfg, out_dir=str(tmp), log_every=1, save_every=0,
-                                  max_steps=max(cfg.max_steps, steps), epochs=0.0)
-        if verbose:
-            print(f"training {steps} steps of `tunekit train --preset {cfg.preset}` on {cfg.data} in {tmp} ...",
-                  flush=True)
-        t0 = time.perf_counter()
-        summary = tr.train(run, stop_after=steps, progress=False, overwrite=True)
-        wall = time.perf_counter() - t0
-        rows = tr.read_metrics(tmp)
-        distributed.barrier()  # every rank has finished before rank 0 removes the folder
-    finally:
-        if distributed.is_main():
-            shutil.rmtree(tmp, ignore_errors=True)
-    if not distributed.is_main():
+    if verbose:
+        print(f"training {steps} steps of `tunekit train --preset {cfg.preset}` on {cfg.data} in "
+              f"{_scratch_dir('train-loop')} ...", flush=True)
+    run = dataclasses.replace(cfg, log_every=1, save_every=0, max_steps=max(cfg.max_steps, steps), epochs=0.0)
+    done = _train_in_scratch(run, "train-loop", stop_after=steps, progress=False)
+    if done is None:
         return None
+    summary, rows, wall = done
     world = distributed.world_size()
     previous = {"samples": 0, "tokens": 0}
     per_step = []  # (seconds, real tokens, samples) of each step
@@ -372,32 +393,17 @@ def run_epoch(cfg: TuneConfig, fraction: float = 1.0, name: str = "", verbose: b
     `fraction` is 1). `tokens_per_s` counts real tokens over the steps' time, per GPU; `curve` is (seconds
     since start, loss) for a loss-against-time plot. Rank 0 returns the result, the others None."""
     import dataclasses
-    import os
-    import shutil
-    import tempfile
 
     from tunekit import distributed
-    from tunekit import train as tr
+
     if not 0 < fraction <= 1:
         raise ValueError(f"fraction {fraction}: a share of one epoch, in (0, 1]")
-    job = (f"{os.environ.get('MASTER_ADDR')}-{os.environ.get('MASTER_PORT')}" if distributed.launched()
-           else str(os.getpid()))
-    tmp = Path(tempfile.gettempdir()) / f"tunekit-epoch-{job}"
     verbose = verbose and distributed.is_main()
-    run = dataclasses.replace(cfg, out_dir=str(tmp), epochs=fraction, save_every=0, log_every=1)
-    try:
-        if distributed.is_main():
-            shutil.rmtree(tmp, ignore_errors=True)
-        t0 = time.perf_counter()
-        summary = tr.train(run, progress=verbose, overwrite=True)
-        wall = time.perf_counter() - t0
-        rows = tr.read_metrics(tmp)
-        distributed.barrier()
-    finally:
-        if distributed.is_main():
-            shutil.rmtree(tmp, ignore_errors=True)
-    if not distributed.is_main():
+    run = dataclasses.replace(cfg, epochs=fraction, save_every=0, log_every=1)
+    done = _train_in_scratch(run, "epoch", fresh=True, progress=verbose)
+    if done is None:
         return None
+    summary, rows, wall = done
     world = distributed.world_size()
     t = summary["timings"]
     steps_s = t["train_s"] - t["eval_s"]

@@ -23,6 +23,7 @@ import torch
 
 from tunekit.config import REPO_ROOT, smoke_mode
 from tunekit.results import RESULTS
+from tunekit.speedups import BNB_OPTIMIZERS
 
 
 def on_gpu() -> bool:
@@ -43,7 +44,8 @@ def pick_preset(gpu_preset: str) -> str:
 # (GPU value, its CPU stand-in); FlexAttention has no backward on CPU
 GPU_ONLY = {"method": ("qlora", "lora"), "attention": ("flex_attention", "sdpa"), "kernels": ("liger", "none"),
             "loss": ("liger", "chunked"), "fp8": (True, False)}
-GPU_ONLY_OPTIMIZERS = {"adamw8bit": "adamw", "paged_adamw": "adamw", "paged_adamw8bit": "adamw", "lion8bit": "lion"}
+# bitsandbytes' optimizers (CUDA only) -> torch's of the same family
+GPU_ONLY_OPTIMIZERS = {name: "lion" if "lion" in name else "adamw" for name in BNB_OPTIMIZERS}
 
 
 def config_for(gpu_preset: str, **overrides):
@@ -148,20 +150,6 @@ def measure(name: str, nproc: int, *args, env: dict | None = None) -> None:
         torchrun(nproc, *args, env=env)
 
 
-def fresh_compile_cache(folder: str | Path) -> dict:
-    """Environment for a compile from a cold cache: inductor's and Triton's caches in `folder`, emptied now
-    (a second run with the same variables then compiles from a warm one)."""
-    import shutil
-
-    shutil.rmtree(folder, ignore_errors=True)
-    Path(folder).mkdir(parents=True)
-    return compile_cache(folder)
-
-
-def compile_cache(folder: str | Path) -> dict:
-    return {"TORCHINDUCTOR_CACHE_DIR": str(folder), "TRITON_CACHE_DIR": str(Path(folder) / "triton")}
-
-
 def measure_in_parallel(plan: list[tuple[str, list, str]], gpus: int) -> None:
     """Run `measure` for each (name, args, cache) of `plan` on `gpus` GPUs at once, one run per GPU at a time
     (CUDA_VISIBLE_DEVICES); runs sharing a `cache` key go to one GPU in order (a cold compile, then the warm
@@ -198,13 +186,19 @@ def measure_in_parallel(plan: list[tuple[str, list, str]], gpus: int) -> None:
 
 
 def cache_env(cache: str) -> dict:
-    """`cache`: '' (the default caches), 'cold:KEY' (a fresh folder for KEY) or 'warm:KEY' (KEY's folder as
-    the cold run left it)."""
+    """The environment of a compile with inductor's and Triton's caches in a folder of its own. `cache`: ''
+    (the default caches), 'cold:KEY' (KEY's folder, emptied now) or 'warm:KEY' (KEY's folder as the cold run
+    left it)."""
+    import shutil
+
     if not cache:
         return {}
     state, _, key = cache.partition(":")
     folder = REPO_ROOT / "runs" / "compile-cache" / key
-    return fresh_compile_cache(folder) if state == "cold" else compile_cache(folder)
+    if state == "cold":
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+    return {"TORCHINDUCTOR_CACHE_DIR": str(folder), "TRITON_CACHE_DIR": str(folder / "triton")}
 
 
 def lesson4_plan(gpu: bool) -> dict[str, list[tuple[str, list, str]]]:

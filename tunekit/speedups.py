@@ -32,9 +32,13 @@ import torch
 
 
 @contextlib.contextmanager
-def tf32(enabled: bool = True):
+def tf32(enabled: bool = True, device: str = "cuda"):
     """Inside, fp32 matmuls and cuDNN convolutions may use TF32 (`enabled`) or must not; the previous
-    settings come back on exit, whatever happens inside."""
+    settings come back on exit, whatever happens inside. Off CUDA (`device`) there is no TF32: nothing is
+    touched."""
+    if device != "cuda":
+        yield
+        return
     old = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
     torch.set_float32_matmul_precision("high" if enabled else "highest")
     torch.backends.cudnn.allow_tf32 = enabled
@@ -158,9 +162,6 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 # ---- compilation -----------------------------------------------------------------------------------------
 
-COMPILE_MODES = ("none", "regional", "model")
-
-
 def compile_step(step_module: torch.nn.Module, model, mode: str) -> torch.nn.Module:
     """Compile the step for `mode` and return what to call:
 
@@ -176,10 +177,11 @@ def compile_step(step_module: torch.nn.Module, model, mode: str) -> torch.nn.Mod
     Shapes: every new sequence length compiles again (`TORCH_LOGS=recompiles` shows each); packed rows are
     one width, padded batches are rounded up to a multiple of `PAD_MULTIPLE` tokens (`compile_pad_multiple`).
     """
+    from tunekit.config import COMPILE
     from tunekit.distributed import decoder_layers
 
-    if mode not in COMPILE_MODES:
-        raise ValueError(f"compile {mode!r}: choose one of {', '.join(COMPILE_MODES)}")
+    if mode not in COMPILE:
+        raise ValueError(f"compile {mode!r}: choose one of {', '.join(COMPILE)}")
     if mode == "regional":
         for layer in decoder_layers(model):
             layer.forward = torch.compile(layer.forward)
@@ -324,7 +326,7 @@ def run_convergence(cfg, sweep: dict[str, list[float]], name: str, verbose: bool
     runs = []
     for optimizer, lrs in sweep.items():
         for lr in lrs:
-            wd = cfg.weight_decay * (10 if "lion" in optimizer else 1)
+            wd = lion_settings(lr, cfg.weight_decay)["weight_decay"] if "lion" in optimizer else cfg.weight_decay
             run = dataclasses.replace(cfg, optimizer=optimizer, lr=lr, weight_decay=wd, out_dir=str(folder))
             t0 = time.perf_counter()
             summary = tr.train(run, progress=False, overwrite=True)

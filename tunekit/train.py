@@ -117,8 +117,7 @@ def prepare(cfg: TuneConfig, num_proc: int | None = None, verbose: bool = True):
     records = data.load_records(cfg.data, fields=cfg.fields)
     tokenizer = build_tokenizer(cfg, records)
     ds, stats = data.tokenize_dataset(records, tokenizer, cfg.max_length, num_proc=num_proc, source=cfg.data,
-                                      response_template=cfg.response_template,
-                                      instruction_template=cfg.instruction_template, chat_template=cfg.chat_template)
+                                      **text_options(cfg))
     stats["packing"], stats["packing_reason"] = batching.choose_packing(cfg.packing, data.lengths_of(ds),
                                                                         cfg.max_length)
     if stats["packing"] == "pack":
@@ -136,13 +135,19 @@ def prepare(cfg: TuneConfig, num_proc: int | None = None, verbose: bool = True):
     return tokenizer, datasets.load_from_disk(str(out / "dataset")), stats
 
 
+def text_options(cfg: TuneConfig) -> dict:
+    """How a record's text becomes a sample (masking markers, chat template): what every tokenization of the
+    run's data, training or held-out, offline or in the loop, is given."""
+    return {"response_template": cfg.response_template, "instruction_template": cfg.instruction_template,
+            "chat_template": cfg.chat_template}
+
+
 def _in_loop(cfg: TuneConfig, verbose: bool):
     """`tokenize=in_loop`: the records as they are, tokenized sample by sample as the DataLoader reads them
     (`data.InLoopTokenized`); only the tokenizer is made (or read) before training."""
     records = data.load_records(cfg.data, fields=cfg.fields)
     tokenizer = build_tokenizer(cfg, records)
-    ds = data.InLoopTokenized(records, tokenizer, cfg.max_length, cfg.data, cfg.response_template,
-                              cfg.instruction_template, cfg.chat_template)
+    ds = data.InLoopTokenized(records, tokenizer, cfg.max_length, cfg.data, **text_options(cfg))
     reason = "pad: tokenize=in_loop (each batch tokenized as it is read, padded to its longest sample)"
     stats = {"samples": len(ds), "tokens": None, "target_tokens": None, "truncated": None, "packing": "pad",
              "packing_reason": reason, "tokenize": "in_loop"}
@@ -367,6 +372,13 @@ def to_device(batch: dict, device: str) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
+def batch_widths(cfg: TuneConfig) -> dict:
+    """The collator's width rules: packed rows at `max_length`; padded batches to a multiple of 8 tokens, or of
+    64 under --compile (few shapes, few compilations)."""
+    return {"pad_to": cfg.max_length if cfg.packing == "pack" else 0,
+            "pad_to_multiple_of": speedups.compile_pad_multiple(cfg.compile, cfg.packing) or 8}
+
+
 def batches_from(ds, cfg: TuneConfig, pad_id: int, epoch: int, start_batch: int):
     """Yield (epoch, batch index within epoch, batch) forever, starting at a saved position.
 
@@ -376,8 +388,7 @@ def batches_from(ds, cfg: TuneConfig, pad_id: int, epoch: int, start_batch: int)
                                    pin_memory=cfg.pin_memory and torch.cuda.is_available(),
                                    prefetch_factor=cfg.prefetch_factor, persistent_workers=cfg.persistent_workers,
                                    group_by_length=cfg.packing == "group",
-                                   pad_to=cfg.max_length if cfg.packing == "pack" else 0,
-                                   pad_to_multiple_of=speedups.compile_pad_multiple(cfg.compile, cfg.packing) or 8)
+                                   **batch_widths(cfg))
     loader.worker_init_fn = functools.partial(_worker_init, loader.worker_init_fn)
     while True:
         for i, batch in enumerate(loader, start_batch):
@@ -393,11 +404,8 @@ def split_eval(ds, cfg: TuneConfig, tokenizer=None, stats: dict | None = None):
     if cfg.eval_data:
         records = data.load_records(cfg.eval_data, fields=cfg.fields)
         if cfg.tokenize == "in_loop":
-            return ds, data.InLoopTokenized(records, tokenizer, cfg.max_length, cfg.eval_data, cfg.response_template,
-                                            cfg.instruction_template, cfg.chat_template)
-        held, _ = data.tokenize_dataset(records, tokenizer, cfg.max_length, source=cfg.eval_data,
-                                        response_template=cfg.response_template,
-                                        instruction_template=cfg.instruction_template, chat_template=cfg.chat_template)
+            return ds, data.InLoopTokenized(records, tokenizer, cfg.max_length, cfg.eval_data, **text_options(cfg))
+        held, _ = data.tokenize_dataset(records, tokenizer, cfg.max_length, source=cfg.eval_data, **text_options(cfg))
         return ds, data.pack_dataset(held, cfg.max_length) if (stats or {}).get("packing") == "pack" else held
     if not cfg.eval_split:
         return ds, None
@@ -412,10 +420,8 @@ def evaluate(step_module, model, eval_ds, cfg: TuneConfig, pad_id: int, device: 
     ranks. The model is in eval mode for it and back in train mode after."""
     rank, world = distributed.rank(), distributed.world_size()
     rows = list(range(rank, len(eval_ds), world))
-    collate = batching.Collator(pad_id, speedups.compile_pad_multiple(cfg.compile, cfg.packing) or 8,
-                                cfg.max_length if cfg.packing == "pack" else 0)
-    columns = [c for c in ("input_ids", "labels", "position_ids") if c in eval_ds.column_names]
-    view = eval_ds.with_format(columns=columns)
+    collate = batching.Collator(pad_id, **batch_widths(cfg))
+    view = batching.model_columns(eval_ds)
     total, count = torch.zeros((), device=device), 0
     model.eval()
     try:
@@ -505,7 +511,7 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
     say = print if progress and main else (lambda *a, **k: None)
     state = {"started": False, "signal": None, "step": 0, "checkpoint": None}  # shared with the signal handler
     with stopping.removed_if_left_empty(run_dir), stopping.stop_requests(state), \
-            speedups.tf32(cfg.tf32) if device == "cuda" else contextlib.nullcontext():
+            speedups.tf32(cfg.tf32, device):
         ckpt, changes = checkpoint.open_run(run_dir, resolved, resume, overwrite, allow_config_change, say,
                                             clean=main)
         step = checkpoint.checkpoint_step(ckpt) if ckpt else 0
