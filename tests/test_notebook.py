@@ -187,3 +187,20 @@ def test_lesson5_waterfall_runs_from_before_to_after():
     before, after = (config.config_dict(c) for c in (config.llama7b_before(), config.llama7b_after()))
     assert ends[0] == before
     assert {k: v for k, v in ends[1].items() if k != "preset"} == {k: v for k, v in after.items() if k != "preset"}
+
+
+def test_lesson5_plan_runs_the_ends_back_to_back_on_one_gpu():
+    """On two GPUs the article's recipe and tunekit's run one after the other on the same GPU, the waterfall's
+    middle steps beside them without the held-out evaluation; the smoke plan is the two ends on the tiny model."""
+    from tunekit import notebook
+
+    plan = notebook.lesson5_plan(True)
+    assert [n for n, _, _ in plan[:2]] == ["l5_before", "l5_after"] and len(plan) == len(notebook.LESSON5_STEPS)
+    queues = {}
+    for name, args, cache in plan:
+        queues.setdefault(cache.partition(":")[2], []).append(name)
+        assert ("--eval-data=" in args) == (name not in ("l5_before", "l5_after"))
+    assert len(queues) == 2 and queues["l5-ends"][:2] == ["l5_before", "l5_after"]
+    smoke = notebook.lesson5_plan(False)
+    assert [n for n, _, _ in smoke] == ["l5_before", "l5_after"]
+    assert all("--method=lora" in args and "--epoch" in args for _, args, _ in smoke)

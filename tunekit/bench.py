@@ -389,9 +389,10 @@ def run_epoch(cfg: TuneConfig, fraction: float = 1.0, name: str = "", verbose: b
     """The wall-clock time of `tunekit train --epochs FRACTION` from nothing, in a fresh folder: tokenizing
     (offline tokenization is part of what a recipe pays; `tokenized_from_cache` says whether `datasets` had it
     already), building the model, compiling, every step, the held-out evaluation. `epoch_s_projected` is what
-    a whole epoch would take: the one-time parts plus the steps' time / `fraction` (measured whole when
-    `fraction` is 1). `tokens_per_s` counts real tokens over the steps' time, per GPU; `curve` is (seconds
-    since start, loss) for a loss-against-time plot. Rank 0 returns the result, the others None."""
+    a whole epoch would take: the one-time parts (the first step among them: it compiles) plus the other
+    steps' time / `fraction` (measured whole when `fraction` is 1). `tokens_per_s` counts real tokens over
+    those other steps, per GPU; `curve` is (seconds since start, loss) for a loss-against-time plot. Rank 0
+    returns the result, the others None."""
     import dataclasses
 
     from tunekit import distributed
@@ -407,8 +408,12 @@ def run_epoch(cfg: TuneConfig, fraction: float = 1.0, name: str = "", verbose: b
     world = distributed.world_size()
     t = summary["timings"]
     steps_s = t["train_s"] - t["eval_s"]
-    once = t["start_s"] + t["prepare_s"] + t["build_s"]
-    tokens = summary["tokens_seen"] / world
+    # Paid once a run, whatever its length: starting, tokenizing, building, and the first step (compiling,
+    # CUDA's warm-up). Only the steps after it scale with the share of the epoch.
+    first = t["first_step_s"] if len(rows) > 1 else 0.0
+    once = t["start_s"] + t["prepare_s"] + t["build_s"] + first
+    tokens = (summary["tokens_seen"] - (rows[0]["tokens"] if first else 0)) / world
+    steady_s = steps_s - first
     per_token = flops_per_token(cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads or cfg.num_heads,
                                 cfg.intermediate_size, cfg.vocab_size or summary["vocab_size"], cfg.max_length,
                                 cfg.method, summary["params_trainable"] if cfg.method != "full" else 0)
@@ -416,17 +421,18 @@ def run_epoch(cfg: TuneConfig, fraction: float = 1.0, name: str = "", verbose: b
     peak = peak_flops(gpu) if torch.cuda.is_available() else None
     every = max(1, len(rows) // 300)
     result = new_result(
-        name or f"epoch_{cfg.preset}", cfg, round(tokens / steps_s, 1), max(r["peak_mem_gb"] for r in rows),
+        name or f"epoch_{cfg.preset}", cfg, round(tokens / steady_s, 1), max(r["peak_mem_gb"] for r in rows),
         call=f"bench.run_epoch(TuneConfig(**config), {fraction!r}, name={name or 'epoch_' + cfg.preset!r})",
         memory_measure="torch.cuda.max_memory_allocated" if torch.cuda.is_available() else "process peak RSS",
         fraction=fraction, wall_s=round(wall, 1), timings=t, steps=summary["steps"],
-        epoch_s_projected=round(once + steps_s / fraction + t["eval_s"], 1),
-        samples_seen=summary["samples_seen"], tokens_seen=summary["tokens_seen"], packing=summary["packing"],
-        tokenize=cfg.tokenize, tokenized_from_cache=bool(summary["data"].get("cached")),
+        epoch_s_projected=round(once + steady_s / fraction + t["eval_s"], 1),
+        samples_seen=summary["samples_seen"], tokens_seen=summary["tokens_seen"], tokens_timed=round(tokens),
+        packing=summary["packing"], tokenize=cfg.tokenize, tokenized_from_cache=bool(summary["data"].get("cached")),
         eval_loss=summary["eval_loss"], final_loss=summary["final_loss"],
-        mfu=round(per_token * tokens / steps_s / peak, 4) if peak else None,
+        mfu=round(per_token * tokens / steady_s / peak, 4) if peak else None,
         curve=[[r["elapsed_s"], r["loss"]] for r in rows[::every]], weights=cfg.model or "random-init",
-        data=f"{cfg.data}: {fraction:g} of an epoch from a fresh folder; tokens/s counts real tokens")
+        data=f"{cfg.data}: {fraction:g} of an epoch from a fresh folder; tokens/s counts real tokens over the "
+             "steps after the first (which compiles and warms up)")
     if verbose:
         print(f"{result['name']}: {fraction:g} epoch in {wall:,.0f} s (start {t['start_s']:.0f} s, data "
               f"{t['prepare_s']:.0f} s, build {t['build_s']:.0f} s, steps {steps_s:,.0f} s, eval {t['eval_s']:.0f} s); "

@@ -281,6 +281,28 @@ def lesson5_runs(fraction: float) -> list[tuple[str, str, list[str]]]:
     return out
 
 
+LESSON5_FRACTION = 0.1  # of GSM8K's epoch: the article's recipe runs ~2 min, all nine runs fit one 10-min call
+# The tiny stand-in of a CPU smoke run: QLoRA -> LoRA (bitsandbytes needs CUDA), a small model and vocabulary.
+LESSON5_SMOKE = ["--method=lora", "--peft-kbit-prepare=false", "--hidden-size=64", "--num-layers=2", "--num-heads=4",
+                 "--num-kv-heads=4", "--intermediate-size=128", "--vocab-size=0", "--tokenizer-vocab=1024",
+                 "--max-length=256"]
+
+
+def lesson5_plan(gpu: bool, fraction: float = LESSON5_FRACTION) -> list[tuple[str, list, str]]:
+    """Lesson 5's runs as (result name, `tunekit` arguments, compile cache: see `cache_env`), for `measure` one
+    at a time or `measure_in_parallel` on two GPUs. The two ends share a cache key, so they run back to back on
+    one GPU, each compile cold; the waterfall's middle steps skip the held-out evaluation (the same fixed cost
+    for every recipe) and are compared by the time to train. In smoke mode: the two ends only, on the tiny
+    model, 2% of the epoch."""
+    runs = lesson5_runs(fraction if gpu else 0.02)
+    if not gpu:
+        return [(name, [*args, *LESSON5_SMOKE], "") for name, _, args in (runs[0], runs[-1])]
+    ends = [(name, args, "cold:l5-ends") for name, _, args in (runs[0], runs[-1])]
+    middle = [(name, [*args, "--eval-data="], "warm:l5-ends" if name in ("l5_step4", "l5_step5", "l5_step6")
+               else "warm:l5-other") for name, _, args in runs[1:-1]]
+    return ends + middle  # an end first: the two keys go to two GPUs
+
+
 def gpu_count() -> int:
     return torch.cuda.device_count() if on_gpu() else 0
 
@@ -382,7 +404,13 @@ if __name__ == "__main__":
     # python -m tunekit.notebook NOTEBOOK...        execute notebooks in place
     # python -m tunekit.notebook --measure 4 GPUS   lesson 4's plan on GPUS GPUs at once (the notebook then reads it)
     # python -m tunekit.notebook --measure 4 GPUS SECTION,SECTION   only those sections
-    if sys.argv[1:2] == ["--measure"]:
+    if sys.argv[1:3] == ["--measure", "5"]:  # python -m tunekit.notebook --measure 5 GPUS
+        from tunekit.config import llama7b_before
+        from tunekit.train import build_tokenizer
+
+        build_tokenizer(llama7b_before())  # trained once and cached, as a hub tokenizer is downloaded once
+        measure_in_parallel(lesson5_plan(on_gpu()), int(sys.argv[3]))
+    elif sys.argv[1:2] == ["--measure"]:
         plan = lesson4_plan(on_gpu())
         wanted = sys.argv[4].split(",") if len(sys.argv) > 4 else list(plan)
         measure_in_parallel([item for s in wanted for item in plan[s]], int(sys.argv[3]))

@@ -608,6 +608,8 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
                 position = {"epoch": epoch, "next_batch": index + 1, **seen, "world": world,
                             "elapsed_s": round(elapsed0 + time.perf_counter() - t0, 3)}
                 loss, grad_norm = out["loss"].item(), float(out["grad_norm"])
+                if "first_step_s" not in timings:  # compiling and CUDA's warm-up happen here, once a run
+                    timings["first_step_s"] = time.perf_counter() - t_loop
                 losses.append(loss)
                 diverged = not (math.isfinite(loss) and math.isfinite(grad_norm))
                 eval_now = eval_ds is not None and not diverged and (
