@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tunekit import claims
@@ -61,12 +63,13 @@ def test_reference_table_marks_cited_figures():
 
 
 def test_render_readme_replaces_blocks_and_needs_them():
-    text = "a\n<!-- results:start -->\nOLD-BLOCK\n<!-- results:end -->\n<!-- claims:start -->\n<!-- claims:end -->\n" \
+    text = "a\n<!-- headline:start -->\n<!-- headline:end -->\n<!-- results:start -->\nOLD-BLOCK\n<!-- results:end -->\n<!-- claims:start -->\n<!-- claims:end -->\n" \
            "<!-- reference:start -->\n<!-- reference:end -->\nz\n"
     out = claims.render_readme(text, {})
-    assert "OLD-BLOCK" not in out and "| # | claim |" in out and out.startswith("a\n") and out.endswith("z\n")
+    assert "OLD-BLOCK" not in out and "| # | the article says |" in out and "14 days -> 3 (C16): unmeasured" in out
+    assert out.startswith("a\n") and out.endswith("z\n")
     assert claims.render_readme(out, {}) == out
-    with pytest.raises(ValueError, match="results:start"):
+    with pytest.raises(ValueError, match="headline:start"):
         claims.render_readme("no blocks", {})
 
 
@@ -81,3 +84,25 @@ def test_c16_is_the_ratio_of_the_two_epochs():
     rs["l5_after"] = epoch("l5_after", 3000, 5000)
     assert claims.judge("C16", rs).verdict.startswith("partly: 3.0x")
     assert claims.judge("C16", {}).verdict == "unmeasured"
+
+
+def test_claims_table_names_the_machine_and_the_lesson(tmp_path):
+    """Each row says where its files were measured and links the notebook section that judges the claim."""
+    nb = {"cells": [{"cell_type": "markdown", "source": ["# 02 · title\n", "## 3 · Checkpointing (C8)"]},
+                    {"cell_type": "code", "source": ['verdict("C8")']}], "metadata": {}, "nbformat": 4,
+          "nbformat_minor": 5}
+    (tmp_path / "02_x.ipynb").write_text(json.dumps(nb))
+    where = claims.where_judged(tmp_path)
+    assert where == {"C8": ("02_x.ipynb", "3 · Checkpointing (C8)")}
+    rs = {"l2_lora_b4": step("l2_lora_b4", 1500, 60), "l2_lora_ckpt_b4": step("l2_lora_ckpt_b4", 1200, 30),
+          "l2_lora_ckpt_b8": step("l2_lora_ckpt_b8", 1300, 40)}
+    for r in rs.values():
+        r.update(gpu="NVIDIA H200", world_size=1)
+    rs["l2_lora_ckpt_b8"].update(world_size=2, memory_cap_gb=23.0)
+    row = next(line for line in claims.claims_table(rs, where).splitlines() if line.startswith("| C8 |"))
+    assert "| 2x H200 capped at 23 GB, H200 |" in row and "[02: 3 · Checkpointing (C8)](notebooks/02_x.ipynb)" in row
+    c9 = next(line for line in claims.claims_table(rs, where).splitlines() if line.startswith("| C9 |"))
+    assert c9.endswith("| - | - |")  # unmeasured, and no notebook judges it here
+    # the real notebooks: every claim of lessons 1-4 is judged in one
+    real = claims.where_judged()
+    assert {"C1", "C8", "C13", "fp8"} <= set(real) and real["C13"][0] == "04_speedups.ipynb"

@@ -195,12 +195,17 @@ def test_lesson5_plan_runs_the_ends_back_to_back_on_one_gpu():
     from tunekit import notebook
 
     plan = notebook.lesson5_plan(True)
-    assert [n for n, _, _ in plan[:2]] == ["l5_before", "l5_after"] and len(plan) == len(notebook.LESSON5_STEPS)
+    assert [n for n, _, _ in plan[:2]] == ["l5_before", "l5_after"] and len(plan) == len(notebook.LESSON5_STEPS) + 2
     queues = {}
     for name, args, cache in plan:
         queues.setdefault(cache.partition(":")[2], []).append(name)
-        assert ("--eval-data=" in args) == (name not in ("l5_before", "l5_after"))
-    assert len(queues) == 2 and queues["l5-ends"][:2] == ["l5_before", "l5_after"]
+        assert ("--eval-data=" in args) == name.startswith("l5_step")
+    # the after recipe's second run reads the kernels its first run compiled
+    assert queues["l5-ends"][:3] == ["l5_before", "l5_after", "l5_after_warm"] and queues["l5-fp8"] == ["l5_after_fp8"]
+    caches = {name: cache for name, _, cache in plan}
+    assert caches["l5_after"] == "cold:l5-ends" and caches["l5_after_warm"] == "warm:l5-ends"
+    args = {name: a for name, a, _ in plan}
+    assert args["l5_after_warm"] == args["l5_after"] and args["l5_after_fp8"] == [*args["l5_after"], "--fp8=true"]
     smoke = notebook.lesson5_plan(False)
     assert [n for n, _, _ in smoke] == ["l5_before", "l5_after"]
     assert all("--method=lora" in args and "--epoch" in args for _, args, _ in smoke)

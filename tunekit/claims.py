@@ -512,12 +512,51 @@ def judge(claim: str, rs: dict[str, dict]) -> Verdict:
         return Verdict(claim, "unmeasured", f"no result file {e.args[0]}.json in notebooks/results")
 
 
-def claims_table(rs: dict[str, dict]) -> str:
-    rows = ["| # | claim | verdict | evidence (result files in `notebooks/results/`) |", "|---|---|---|---|"]
+def machine_of(rs: dict[str, dict], files: tuple[str, ...]) -> str:
+    """Where the result files were measured, in a few words: "H200", "2x H200", "H200 capped at 23 GB"."""
+    seen = []
+    for f in files:
+        r = rs.get(f, {})
+        where = (r.get("gpu") or "CPU").removeprefix("NVIDIA ")
+        if (world := r.get("world_size") or 1) > 1:
+            where = f"{world}x {where}"
+        if r.get("memory_cap_gb"):
+            where += f" capped at {r['memory_cap_gb']:g} GB"
+        if where not in seen:
+            seen.append(where)
+    return ", ".join(sorted(seen)) or "-"
+
+
+def where_judged(notebooks: Path = REPO_ROOT / "notebooks") -> dict[str, tuple[str, str]]:
+    """{claim: (notebook file, its section)} for every claim a notebook judges (`verdict("C8")`,
+    `claims.judge("fp8", ...)`): the section is the last heading above that cell."""
+    found: dict[str, tuple[str, str]] = {}
+    for path in sorted(Path(notebooks).glob("*.ipynb")):
+        heading = ""
+        for cell in json.loads(path.read_text())["cells"]:
+            text = "".join(cell["source"])
+            if cell["cell_type"] == "markdown":
+                heads = re.findall(r"^#+ (.+)$", text, flags=re.M)
+                heading = heads[-1].strip() if heads else heading
+            elif cell["cell_type"] == "code":
+                for claim in re.findall(r'(?:\bjudge|\bverdict)\(\s*"([^"]+)"', text):
+                    found.setdefault(claim, (path.name, heading))
+    return found
+
+
+def claims_table(rs: dict[str, dict], where: dict[str, tuple[str, str]] | None = None) -> str:
+    """Each claim: what the article says, the verdict, tunekit's evidence and its result files, the machine
+    they were measured on, and the notebook section that judges it."""
+    where = where_judged() if where is None else where
+    rows = ["| # | the article says | verdict | measured (result files in `notebooks/results/`) | machine | lesson |",
+            "|---|---|---|---|---|---|"]
     for claim, (text, _) in CLAIMS.items():
         v = judge(claim, rs)
         files = f" ({', '.join(f'`{f}`' for f in v.files)})" if v.files else ""
-        rows.append(f"| {claim} | {text} | **{v.verdict}** | {v.evidence}{files} |")
+        nb, section = where.get(claim, ("", ""))
+        lesson = f"[{nb[:2]}: {section.replace('|', '-')}](notebooks/{nb})" if nb else "-"
+        rows.append(f"| {claim} | {text} | **{v.verdict}** | {v.evidence}{files} | {machine_of(rs, v.files)} | "
+                    f"{lesson} |")
     return "\n".join(rows)
 
 
@@ -555,9 +594,16 @@ def step_results(rs: dict[str, dict]) -> list[dict]:
     return [r for r in rs.values() if "step_time_s" in r]
 
 
+def headline(rs: dict[str, dict]) -> str:
+    """The article's headline claim (C16) as lesson 5 measured it, for the top of the README."""
+    v = judge("C16", rs)
+    where = f" ({machine_of(rs, v.files)}, `notebooks/05_full_7b_run.ipynb`)" if v.files else ""
+    return f"**The article's headline, 14 days -> 3 (C16): {v.verdict}**{where}. {v.evidence[0].upper()}{v.evidence[1:]}."
+
+
 def render_readme(text: str, rs: dict[str, dict]) -> str:
     """`text` with every generated block (`<!-- NAME:start -->` ... `<!-- NAME:end -->`) rendered anew."""
-    blocks = {"results": format_table(sorted(step_results(rs), key=lambda r: r["name"])),
+    blocks = {"headline": headline(rs), "results": format_table(sorted(step_results(rs), key=lambda r: r["name"])),
               "claims": claims_table(rs), "reference": reference_table(rs)}
     for name, body in blocks.items():
         pattern = re.compile(rf"(<!-- {name}:start -->\n)(?:.*?\n)?(<!-- {name}:end -->)", re.S)
