@@ -316,7 +316,7 @@ def lesson5_plan(gpu: bool, fraction: float = LESSON5_FRACTION) -> list[tuple[st
     ends = [(name, args, "cold:l5-ends") for name, _, args in (runs[0], runs[-1])]
     # the after recipe again, reading the compiled kernels the first run left: what a user's next run pays
     warm = [("l5_after_warm", runs[-1][2], "warm:l5-ends")]
-    middle = [(name, [*args, "--eval-data="], "warm:l5-ends" if name in ("l5_step4", "l5_step6")
+    middle = [(name, [*args, "--eval-data="], "warm:l5-ends" if name in ("l5_step4", "l5_step6", "l5_step7")
                else "warm:l5-other") for name, _, args in runs[1:-1]]
     # lesson 4's fastest step on random tokens, FP8 matmuls, tried on the real data
     fp8 = [("l5_after_fp8", [*runs[-1][2], "--fp8=true"], "cold:l5-fp8")]
