@@ -63,7 +63,8 @@ def test_reference_table_marks_cited_figures():
 
 
 def test_render_readme_replaces_blocks_and_needs_them():
-    text = "a\n<!-- headline:start -->\n<!-- headline:end -->\n<!-- results:start -->\nOLD-BLOCK\n<!-- results:end -->\n<!-- claims:start -->\n<!-- claims:end -->\n" \
+    text = "a\n<!-- headline:start -->\n<!-- headline:end -->\n<!-- epochs:start -->\n<!-- epochs:end -->\n" \
+           "<!-- results:start -->\nOLD-BLOCK\n<!-- results:end -->\n<!-- claims:start -->\n<!-- claims:end -->\n" \
            "<!-- reference:start -->\n<!-- reference:end -->\nz\n"
     out = claims.render_readme(text, {})
     assert "OLD-BLOCK" not in out and "| # | the article says |" in out and "14 days -> 3 (C16): unmeasured" in out
@@ -83,6 +84,10 @@ def test_c16_is_the_ratio_of_the_two_epochs():
     assert v.verdict == "holds: 10.0x" and "target is 8x (met)" in v.evidence and "projected" in v.evidence
     rs["l5_after"] = epoch("l5_after", 3000, 5000)
     assert claims.judge("C16", rs).verdict.startswith("partly: 3.0x")
+    rs["l5_after_warm"] = epoch("l5_after_warm", 1800, 5000)
+    v = claims.judge("C16", rs)
+    assert v.verdict.startswith("partly: 3.0x") and "compile cache warm: 5.0x (30.0 min)" in v.evidence
+    assert v.files == ("l5_before", "l5_after", "l5_after_warm")
     assert claims.judge("C16", {}).verdict == "unmeasured"
 
 

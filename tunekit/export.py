@@ -72,12 +72,23 @@ def merge_run(run_dir: str | Path, out_dir: str | Path | None = None, device: st
     """Merge the run's adapter into its base in `dtype`, save it to `out_dir` (default `<run>/merged`), reload
     it with `from_pretrained`, and compare the logits of 2 x `tokens` random tokens: unmerged, merged, reloaded.
     Returns the folder and the largest logit differences (relative to the largest logit): in bf16 the merge
-    rounds W + BA into bf16 once where the unmerged model adds two matmuls' results, so differences of about
-    bf16's precision (1e-3 to 1e-2) are expected; the reloaded model is the merged one exactly."""
+    rounds W + BA into bf16 once where the unmerged model adds two matmuls' results, so the two differ by
+    bf16's rounding (about 1e-2 on a tiny model; more through 32 random-init layers, which amplify it); the
+    reloaded model is the merged one exactly. Below fp32, both are also compared with the same weights and
+    adapter computed in fp32 (`adapter_vs_fp32`, `merged_vs_fp32`): how much of the fine-tune each keeps."""
     run_dir = Path(run_dir)
-    model, tokenizer, cfg = load_run(run_dir, device, dtype)
+    cfg = run_config(run_dir)
     if cfg.method == "full":
         raise ValueError(f"{run_dir} is a full fine-tune: its model folder is already the whole model")
+    reference = None
+    if dtype != torch.float32:  # the same weights and adapter computed in fp32: what both bf16 models approximate
+        model, tokenizer, _ = load_run(run_dir, device, torch.float32)
+        ids = torch.randint(0, len(tokenizer), (2, tokens), generator=torch.Generator().manual_seed(seed)).to(device)
+        reference = model(input_ids=ids).logits.float()
+        del model
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    model, tokenizer, cfg = load_run(run_dir, device, dtype)
     out = Path(out_dir) if out_dir else run_dir / "merged"
     ids = torch.randint(0, len(tokenizer), (2, tokens), generator=torch.Generator().manual_seed(seed)).to(device)
     want = model(input_ids=ids).logits.float()
@@ -86,9 +97,13 @@ def merge_run(run_dir: str | Path, out_dir: str | Path | None = None, device: st
     got = merged(input_ids=ids).logits.float()
     reloaded = mdl.build_model(None, str(out), dtype, device).eval()(input_ids=ids).logits.float()
     scale = want.abs().max().item()
-    return {"merged_dir": str(out), "dtype": str(dtype).removeprefix("torch."),
-            "merged_vs_adapter": (got - want).abs().max().item() / scale,
-            "reloaded_vs_merged": (reloaded - got).abs().max().item() / scale}
+    r = {"merged_dir": str(out), "dtype": str(dtype).removeprefix("torch."),
+         "merged_vs_adapter": (got - want).abs().max().item() / scale,
+         "reloaded_vs_merged": (reloaded - got).abs().max().item() / scale}
+    if reference is not None:
+        r["adapter_vs_fp32"] = (want - reference).abs().max().item() / scale
+        r["merged_vs_fp32"] = (got - reference).abs().max().item() / scale
+    return r
 
 
 @torch.no_grad()
