@@ -111,3 +111,16 @@ def test_claims_table_names_the_machine_and_the_lesson(tmp_path):
     # the real notebooks: every claim of lessons 1-4 is judged in one
     real = claims.where_judged()
     assert {"C1", "C8", "C13", "fp8"} <= set(real) and real["C13"][0] == "04_speedups.ipynb"
+
+
+def test_epoch_table_lists_the_waterfall_in_order_and_the_reruns():
+    def epoch(name, seconds, tps, commit="abcdef0"):
+        return {"name": name, "epoch_s_projected": seconds, "tokens_per_s": tps, "peak_memory_gb": 8.0,
+                "mfu": 0.06, "commit": commit, "timings": {"eval_s": 20.0, "first_step_s": 4.5}}
+
+    rs = {"l5_before": epoch("l5_before", 600, 2000), "l5_step2": epoch("l5_step2", 620, 1900),
+          "l5_step2_rerun": epoch("l5_step2_rerun", 700, 1710)}
+    lines = claims.epoch_table(rs).splitlines()
+    assert lines[2].startswith("| l5_before | before: the article's recipe | 10.0 | 9.7 | 4.5 | 20 | 2,000 |")
+    assert lines[3].startswith("| l5_step1 |") and "unmeasured" in lines[3]
+    assert "| l5_step2_rerun | l5_step2 again, on another machine (-10% tok/s) |" in lines[-1]

@@ -610,6 +610,11 @@ def epoch_table(rs: dict[str, dict]) -> str:
     labels.update(l5_after_warm="the after recipe again, its compiled kernels cached",
                   l5_after_fp8="the after recipe with FP8 matmuls (torchao, rowwise)")
     assert len(labels) == len(LESSON5_STEPS) + 2
+    for name in sorted(rs):  # a step measured again on another machine: the spread between machines
+        if name.startswith("l5_step") and name.endswith("_rerun"):
+            step = name.removesuffix("_rerun")
+            labels[name] = f"{step} again, on another machine (" + (
+                f"{rs[name]['tokens_per_s'] / rs[step]['tokens_per_s'] - 1:+.0%} tok/s)" if step in rs else "alone)")
     rows = ["| name | recipe | one epoch, min | to train, min | first step s | eval s | real tok/s | peak GB | MFU | "
             "commit |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, label in labels.items():
