@@ -604,12 +604,9 @@ def epoch_table(rs: dict[str, dict]) -> str:
     """Lesson 5's `bench --epoch` results: the waterfall from the article's recipe to tunekit's in its order,
     then the after recipe's variants; each with the time of one GSM8K epoch (projected from the share run)
     and its parts."""
-    from tunekit.notebook import LESSON5_STEPS, lesson5_runs
+    from tunekit.notebook import lesson5_labels
 
-    labels = {name: label for name, label, _ in lesson5_runs(0.1)}
-    labels.update(l5_after_warm="the after recipe again, its compiled kernels cached",
-                  l5_after_fp8="the after recipe with FP8 matmuls (torchao, rowwise)")
-    assert len(labels) == len(LESSON5_STEPS) + 2
+    labels = lesson5_labels()
     for name in sorted(rs):  # a step measured again on another machine: the spread between machines
         if name.startswith("l5_step") and name.endswith("_rerun"):
             step = name.removesuffix("_rerun")

@@ -80,29 +80,34 @@ def merge_run(run_dir: str | Path, out_dir: str | Path | None = None, device: st
     cfg = run_config(run_dir)
     if cfg.method == "full":
         raise ValueError(f"{run_dir} is a full fine-tune: its model folder is already the whole model")
+
+    def random_ids(tokenizer) -> torch.Tensor:  # the same tokens for every model compared
+        return torch.randint(0, len(tokenizer), (2, tokens), generator=torch.Generator().manual_seed(seed)).to(device)
+
     reference = None
     if dtype != torch.float32:  # the same weights and adapter computed in fp32: what both bf16 models approximate
         model, tokenizer, _ = load_run(run_dir, device, torch.float32)
-        ids = torch.randint(0, len(tokenizer), (2, tokens), generator=torch.Generator().manual_seed(seed)).to(device)
-        reference = model(input_ids=ids).logits.float()
-        del model
+        reference = model(input_ids=random_ids(tokenizer)).logits.float()
+        del model  # freed before the model in `dtype` is built
         if device == "cuda":
             torch.cuda.empty_cache()
-    model, tokenizer, cfg = load_run(run_dir, device, dtype)
+    model, tokenizer, _ = load_run(run_dir, device, dtype)
+    ids = random_ids(tokenizer)
     out = Path(out_dir) if out_dir else run_dir / "merged"
-    ids = torch.randint(0, len(tokenizer), (2, tokens), generator=torch.Generator().manual_seed(seed)).to(device)
     want = model(input_ids=ids).logits.float()
     merged = mdl.merge_adapter(model, out, dtype)
     tokenizer.save_pretrained(str(out))
     got = merged(input_ids=ids).logits.float()
     reloaded = mdl.build_model(None, str(out), dtype, device).eval()(input_ids=ids).logits.float()
     scale = want.abs().max().item()
+
+    def apart(a: torch.Tensor, b: torch.Tensor) -> float:
+        return (a - b).abs().max().item() / scale
+
     r = {"merged_dir": str(out), "dtype": str(dtype).removeprefix("torch."),
-         "merged_vs_adapter": (got - want).abs().max().item() / scale,
-         "reloaded_vs_merged": (reloaded - got).abs().max().item() / scale}
+         "merged_vs_adapter": apart(got, want), "reloaded_vs_merged": apart(reloaded, got)}
     if reference is not None:
-        r["adapter_vs_fp32"] = (want - reference).abs().max().item() / scale
-        r["merged_vs_fp32"] = (got - reference).abs().max().item() / scale
+        r.update(adapter_vs_fp32=apart(want, reference), merged_vs_fp32=apart(got, reference))
     return r
 
 

@@ -288,6 +288,17 @@ LESSON5_SMOKE = ["--method=lora", "--peft-kbit-prepare=false", "--hidden-size=64
                  "--max-length=256"]
 
 
+# lesson5_plan's runs beside the waterfall, both of the after recipe
+LESSON5_VARIANTS = {"l5_after_warm": "the after recipe again, its compiled kernels cached",
+                    "l5_after_fp8": "the after recipe with FP8 matmuls (torchao, rowwise)"}
+
+
+def lesson5_labels() -> dict[str, str]:
+    """{result name: what it measures} for every run of `lesson5_plan`: the waterfall in order, then the
+    variants."""
+    return {**{name: label for name, label, _ in lesson5_runs(LESSON5_FRACTION)}, **LESSON5_VARIANTS}
+
+
 def lesson5_prepare(gpu: bool) -> None:
     """What a user's first run downloads once and every later run reads from disk, made before the timed runs
     so that none of them pays for it: the tokenizer (trained on GSM8K here) and, on a GPU, the random-init 7B
