@@ -137,7 +137,8 @@ def _runtime(cfg: TuneConfig, verbose: bool):
 
 def _bench_step(cfg: TuneConfig, device: str, dtype: torch.dtype, vocab: int, verbose: bool):
     """(model, optimizer, scheduler, step): the config's training pieces and one optimizer step of them on
-    fixed random tokens (every position a target; packed rows when `packing` is pack)."""
+    fixed random tokens (every position a target; packed rows when `packing` is pack); `step()` returns the
+    step's loss."""
     from tunekit import train as tr
 
     torch.manual_seed(cfg.seed)
@@ -151,8 +152,8 @@ def _bench_step(cfg: TuneConfig, device: str, dtype: torch.dtype, vocab: int, ve
             batch["position_ids"] = packed_positions(cfg.batch_size, cfg.max_length)
         micro.append(tr.to_device(batch, device))
 
-    def step():
-        tr.train_step(model, micro, optimizer, scheduler, cfg.max_grad_norm, **options)
+    def step() -> torch.Tensor:  # the step's loss (not synchronised: reading it is the caller's choice)
+        return tr.train_step(model, micro, optimizer, scheduler, cfg.max_grad_norm, **options)["loss"]
 
     return model, optimizer, scheduler, step
 
@@ -242,6 +243,7 @@ def profile_step(cfg: TuneConfig, steps: int = 3, warmup: int = 2, name: str = "
     each kernel's own time (GPU kernels on CUDA, operators on CPU) summed by category (`PROFILE_CATEGORIES`,
     by name), as shares of the total, with the ten costliest kernels. The first thing to read before making a
     step faster (issue 14)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     device, dtype, vocab, verbose = _runtime(cfg, verbose)
@@ -260,9 +262,14 @@ def profile_step(cfg: TuneConfig, steps: int = 3, warmup: int = 2, name: str = "
         wall = (time.perf_counter() - t0) / steps
     kernels = {}
     for e in prof.key_averages():
-        own = (e.self_device_time_total if device == "cuda" else e.self_cpu_time_total) / 1e6 / steps
-        if own > 0 and (device == "cuda" or e.key.startswith("aten::")):  # on CPU: the operators' own time
-            kernels[e.key] = kernels.get(e.key, 0.0) + own
+        # On CUDA the kernels themselves, not the operators that launched them (an operator's "self device
+        # time" is its kernels' time again: counting both doubled the total). On CPU the operators' own time.
+        if device == "cuda":
+            own = e.self_device_time_total if e.device_type == DeviceType.CUDA else 0.0
+        else:
+            own = e.self_cpu_time_total if e.key.startswith("aten::") else 0.0
+        if own > 0:
+            kernels[e.key] = kernels.get(e.key, 0.0) + own / 1e6 / steps
     total = sum(kernels.values())
     by_category: dict[str, float] = {}
     for k, v in kernels.items():

@@ -76,6 +76,12 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-loop", action="store_true", help="time `tunekit train` itself on the config's real "
                    "data (its batches, DataLoader and logging) for --bench-max-steps steps, not the bare step on "
                    "random tokens; tok/s counts real tokens (default name train_<preset>)")
+    p.add_argument("--compare", action="store_true", help="the same step, back to back on this GPU, in the plain "
+                   "HF+peft stack, tunekit and Unsloth (one process each); one result with the ratios and a chart "
+                   "beside it (default name compare_<preset>)")
+    p.add_argument("--stacks", default="hf_peft,tunekit,unsloth", help="with --compare: which stacks, in order")
+    p.add_argument("--unsloth-site", default=None, help="with --compare: the folder build-unsloth-site made "
+                   "(default $TUNEKIT_UNSLOTH_SITE, else .unsite/ in the repo when there)")
     p = sub.add_parser("converge", help="train once per optimizer and learning rate; compare held-out losses",
                        description="Lesson 4: the same model, data and seed trained with each optimizer at each "
                        "learning rate of --sweep; every run's loss curves into one result JSON.", **common)
@@ -222,6 +228,14 @@ def _main(argv: list[str] | None = None) -> int:
             from tunekit.bench import measure_noise, run_bench
             from tunekit.results import save_result
 
+            if args.compare:
+                from tunekit.compare import run_compare, save_chart
+
+                result = run_compare(args.preset, rest, args.name, tuple(filter(None, args.stacks.split(","))),
+                                     args.unsloth_site)
+                path = save_result(result, args.out)
+                print(f"result -> {path}\nchart -> {save_chart(result, path.with_suffix('.png'))}")
+                return 0
             if args.profile:
                 from tunekit.bench import profile_step
 

@@ -208,7 +208,12 @@ class TuneConfig:
     for its fused linear cross-entropy). `none`: the model's own."""
     fp8: bool = False
     """torchao float8 training (rowwise scales) for the large linear layers: FP8 tensor-core matmuls on
-    Hopper/Ada GPUs, weights kept bf16. Pays off with --compile (the casts fuse); GPU only."""
+    Hopper/Ada GPUs, weights kept bf16. Pays off with --compile (the casts fuse); GPU only. With --fast-lora,
+    tunekit's own FP8 instead: each frozen base weight quantized once, not every step."""
+    fast_lora: bool = False
+    """LoRA only: each adapted linear layer as one autograd function (tunekit/fastlora.py) instead of peft's
+    four modules — the adapter's product added inside the matmuls, the frozen weight's gradient never formed;
+    with --fp8 the frozen weights are quantized to FP8 once. Same parameters and saved adapter as peft's."""
 
     # ---- held-out loss ------------------------------------------------------------------------------
     eval_split: float = 0.0
@@ -272,6 +277,9 @@ class TuneConfig:
              "only a frozen embedding table can live on the CPU; use it with --method lora or qlora")
         need(self.method != "qlora" or not self.fp8, "fp8", "converts bf16 linear layers; QLoRA's base layers are "
              "4-bit: use it with --method lora or full")
+        need(self.method == "lora" or not self.fast_lora, "fast_lora", "fuses LoRA over a bf16 base weight; "
+             "use it with --method lora (QLoRA's 4-bit base layers keep peft's path)")
+        need(self.lora_dropout == 0 or not self.fast_lora, "fast_lora", "has no LoRA dropout; set --lora-dropout 0")
         need(self.method == "qlora" or not self.peft_kbit_prepare, "peft_kbit_prepare",
              "applies to 4-bit models only; use it with --method qlora")
         need(self.prefetch_factor > 0, "prefetch_factor", "must be a positive integer")

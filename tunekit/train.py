@@ -187,7 +187,11 @@ def build_training_model(cfg: TuneConfig, vocab_size: int, device: str, dtype: t
         torch.manual_seed(cfg.seed + 1)
         model = mdl.apply_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets,
                                cast_input=cfg.lora_input_cast)
-    if cfg.fp8:  # the base layers (LoRA's own adapters stay bf16/fp32)
+    if cfg.fast_lora:  # with fp8: the frozen base weights in FP8, quantized once
+        from tunekit import fastlora
+
+        kernels.append(fastlora.attach(model, fp8=cfg.fp8))
+    elif cfg.fp8:  # the base layers (LoRA's own adapters stay bf16/fp32)
         kernels.append(f"float8 rowwise in {speedups.apply_fp8(model)} linear layers")
     if cfg.grad_ckpt:
         memory.apply_gradient_checkpointing(model, offload=cfg.grad_ckpt_offload)

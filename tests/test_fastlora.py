@@ -1,0 +1,172 @@
+"""tunekit's fused LoRA linear (tunekit/fastlora.py) against peft's path: the same loss and gradients in fp32,
+within FP8's rounding with the frozen weights in FP8 (emulated on CPU: the same scaled numbers, multiplied in
+fp32; on a GPU with FP8 tensor cores, `torch._scaled_mm`)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import gpu
+
+from tunekit import fastlora
+from tunekit.config import ConfigError, tiny
+from tunekit.model import apply_lora, build_model, llama_config, save_adapter
+
+ARCH = llama_config(64, 2, 4, 128, 256)
+
+
+def lora_model(device="cpu", dtype=torch.float32, seed=0):
+    model = apply_lora(build_model(ARCH, dtype=dtype, device=device, seed=seed), r=8, alpha=16)
+    with torch.no_grad():  # peft starts B at zero: give the adapters something to say
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    return model
+
+
+def loss_and_grads(model, ids, autocast=None):
+    with torch.autocast(ids.device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.fixture
+def ids():
+    return torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+
+
+def test_fused_lora_matches_peft_in_fp32(ids):
+    plain = lora_model()
+    fused = copy.deepcopy(plain)
+    assert "fused LoRA in 14 linear layers" in fastlora.attach(fused)
+    l0, g0 = loss_and_grads(plain, ids)
+    l1, g1 = loss_and_grads(fused, ids)
+    assert torch.allclose(l0, l1, rtol=1e-6, atol=1e-6)
+    assert g0.keys() == g1.keys() and len(g0) == 28  # every lora_A and lora_B
+    for n in g0:
+        assert rel(g1[n], g0[n]) < 1e-5, n
+
+
+def test_fp8_frozen_weights_stay_within_fp8_rounding(ids):
+    plain = lora_model()
+    fused = copy.deepcopy(plain)
+    before = set(fused.state_dict())
+    fused_fp8 = _attach_fp8_cpu(fused)
+    l0, g0 = loss_and_grads(plain, ids)
+    l1, g1 = loss_and_grads(fused_fp8, ids)
+    # e4m3 keeps 3 mantissa bits (relative rounding up to 1/16); over sums of many products it averages out
+    assert abs(float(l1 - l0)) / float(l0) < 0.01
+    for n in g0:
+        assert rel(g1[n], g0[n]) < 0.08, n
+    assert set(fused_fp8.state_dict()) == before  # the FP8 copies are not part of what is saved
+
+
+def _attach_fp8_cpu(model):
+    """`attach(fp8=True)` on CPU, where no FP8 matmul exists: the same quantized buffers, `mm8` emulating."""
+    real = fastlora.fp8_matmul_available
+    fastlora.fp8_matmul_available = lambda device: True
+    try:
+        fastlora.attach(model, fp8=True)
+    finally:
+        fastlora.fp8_matmul_available = real
+    return model
+
+
+def test_quantize_is_within_e4m3_rounding_and_scales_are_powers_of_two():
+    t = torch.randn(64, 48) * torch.logspace(-3, 3, 48)  # columns of very different magnitudes
+    for dim in (-1, 0):
+        q, inv = fastlora.quantize(t, dim)
+        assert q.dtype == torch.float8_e4m3fn
+        assert torch.equal(torch.log2(inv), torch.round(torch.log2(inv)))
+        back = q.float() * inv
+        assert (back - t).abs().max() <= (t.abs().amax(dim=dim, keepdim=True) / 8).max()
+        assert rel(back, t) < 0.04
+
+
+def test_merged_or_disabled_adapters_take_peft_path_and_the_adapter_saves_as_peft(ids, tmp_path):
+    plain = lora_model()
+    fused = copy.deepcopy(plain)
+    fastlora.attach(fused)
+    with fused.disable_adapter(), plain.disable_adapter():
+        assert torch.allclose(fused(input_ids=ids).logits, plain(input_ids=ids).logits, atol=1e-5)
+    save_adapter(plain, tmp_path / "a")
+    save_adapter(fused, tmp_path / "b")
+    assert (tmp_path / "a" / "adapter_model.safetensors").read_bytes() == \
+        (tmp_path / "b" / "adapter_model.safetensors").read_bytes()
+    merged = fused.merge_and_unload()
+    assert torch.allclose(merged(input_ids=ids).logits, plain(input_ids=ids).logits, atol=1e-4)
+
+
+def test_layers_it_cannot_fuse_are_named():
+    model = apply_lora(build_model(ARCH, seed=0), r=8, alpha=16, dropout=0.1)
+    with pytest.raises(ValueError, match=r"layer .*q_proj: it has LoRA dropout"):
+        fastlora.attach(model)
+    with pytest.raises(ValueError, match="no peft LoRA"):
+        fastlora.attach(build_model(ARCH, seed=0))
+    with pytest.raises(RuntimeError, match="compute capability 8.9"):
+        fastlora.attach(lora_model(), fp8=True)  # CPU
+    with pytest.raises(ConfigError, match="fast_lora"):
+        tiny(method="full", fast_lora=True)
+    with pytest.raises(ConfigError, match="--lora-dropout 0"):
+        tiny(fast_lora=True, lora_dropout=0.1)
+
+
+def test_training_with_fast_lora_follows_peft(make_cfg):
+    """Three optimizer steps of `tunekit train` with and without --fast-lora: the same losses (fp32, CPU)."""
+    from tunekit import train
+
+    a = train.train(make_cfg("plain", max_steps=3), progress=False)
+    b = train.train(make_cfg("fused", max_steps=3, fast_lora=True), progress=False)
+    assert b["final_loss"] == pytest.approx(a["final_loss"], rel=1e-5)
+
+
+@gpu
+def test_fp8_scaled_mm_matches_the_emulation_and_bf16_loss():
+    torch.manual_seed(0)
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(384, 512, device="cuda", dtype=torch.bfloat16) / 20
+    xq, xi = fastlora.quantize(x, -1)
+    wq, wi = fastlora.quantize(w, -1)
+    fast = fastlora.mm8(xq, xi, wq.t(), wi.t().contiguous(), torch.bfloat16, fast_accum=True)
+    emulated = ((xq.float() * xi) @ (wq.float() * wi).t()).bfloat16()
+    assert rel(fast, emulated) < 0.01 and rel(fast, (x @ w.t())) < 0.06
+    ids = torch.randint(0, 256, (4, 64), device="cuda")
+    plain = lora_model("cuda", torch.bfloat16)
+    fused = copy.deepcopy(plain)
+    fastlora.attach(fused, fp8=True)
+    l0, g0 = loss_and_grads(plain, ids, torch.bfloat16)
+    l1, g1 = loss_and_grads(fused, ids, torch.bfloat16)
+    assert abs(float(l1 - l0)) / float(l0) < 0.01
+    for n in g0:
+        assert rel(g1[n], g0[n]) < 0.1, n
+
+
+@pytest.mark.slow
+def test_fused_lora_compiles_regionally_to_the_same_numbers(ids):
+    """Each decoder block compiled by inductor (on CPU) with the fused forward inside: the loss and LoRA
+    gradients of peft's eager path within fp32 rounding (inductor reorders sums)."""
+    from tunekit import speedups, train
+
+    plain = lora_model()
+    fused = copy.deepcopy(plain)
+    fastlora.attach(fused)
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    out = []
+    for model, mode in ((plain, "none"), (fused, "regional")):
+        step = speedups.compile_step(train.StepModule(model, "chunked"), model, mode)
+        loss = train.micro_step(model, batch, 64, None, step_module=step)
+        out.append((loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (l0, g0), (l1, g1) = out
+    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=0)
+    assert g0.keys() == g1.keys()
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-6, msg=n)

@@ -1,0 +1,155 @@
+"""A LoRA linear layer as one autograd function, with the frozen base weight in bf16 or in FP8 (issue 14).
+
+peft computes `base(x) + lora_B(lora_A(x)) * scale` as four modules: the low-rank product comes out full size
+([tokens, out]) and is added to the base output in another pass, and its backward adds the two input
+gradients in yet another. `FrozenLoRA` does the same arithmetic with the additions folded into the matrix
+multiplies (`addmm`: C + A @ B in one cuBLAS call):
+
+    forward   y  = x W^T  (+)  (x A^T) B^T * s          # xa = x A^T is [tokens, r]: the only thing kept besides x
+    backward  m  = dy B * s                              # [tokens, r]
+              dx = dy W   (+)  m A
+              dA = m^T x,  dB = s * dy^T xa
+
+The base weight is frozen, so its own gradient is never computed. That also makes FP8 cheaper than torchao's
+`Float8Linear` (`speedups.apply_fp8`), which quantizes each weight to FP8 again at every forward and backward,
+as it must for weights that train: here each frozen weight is quantized once, when the adapters are attached
+(`attach(model, fp8=True)`), in the two layouts the two matmuls need — scaled per output row for the forward,
+per input column for the input gradient. Activations (x, dy) are scaled per token. Scales are powers of two
+and the FP8 format is e4m3, as torchao's rowwise recipe. The LoRA branch stays in bf16. The cost: both FP8 copies
+stay in memory beside the bf16 weights (one byte a weight each), which merging and export still use.
+
+`attach` swaps the forward of each peft LoRA `Linear` (a plain `nn.Linear` base, one adapter, no dropout) for
+this one; the parameters, the saved adapter and `merge_and_unload` are peft's, unchanged. A merged or disabled
+adapter goes back to peft's forward. tests/test_fastlora.py checks the loss and gradients against peft's path:
+equal in fp32, within FP8's rounding with FP8.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+
+
+def quantize(t: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t in FP8 e4m3, the fp32 factor that undoes it) with one scale per slice along `dim` (the amax is taken
+    over `dim`): `dim=-1` scales each row. The scale is a power of two, so applying and undoing it is exact."""
+    amax = t.abs().amax(dim=dim, keepdim=True).float().clamp(min=1e-12)
+    scale = torch.exp2(torch.floor(torch.log2(E4M3_MAX / amax)))
+    q = (t.float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return q, scale.reciprocal()
+
+
+def fp8_matmul_available(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def mm8(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor, out_dtype: torch.dtype,
+        fast_accum: bool) -> torch.Tensor:
+    """(a * a_inv) @ (b * b_inv) for FP8 `a` [M, K] scaled per row ([M, 1]) and `b` [K, N] scaled per column
+    ([1, N]), in `out_dtype`. On a GPU with FP8 tensor cores one `torch._scaled_mm` (`b` column-major); elsewhere
+    the same numbers dequantized and multiplied in fp32 (CPU tests check the arithmetic with it)."""
+    if fp8_matmul_available(a.device):
+        return torch._scaled_mm(a, b, scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype, use_fast_accum=fast_accum)
+    return ((a.float() * a_inv) @ (b.float() * b_inv)).to(out_dtype)
+
+
+class FrozenLoRA(torch.autograd.Function):
+    """`x W^T + (x A^T) B^T * scale` with W frozen; W in FP8 when `w8` (W scaled per output row, [out, in],
+    factors [1, out]) and `w8t` (W scaled per input column, stored transposed, [in, out], factors [1, in]) are
+    given."""
+
+    @staticmethod
+    def forward(ctx, x, weight, w8, w8_inv, w8t, w8t_inv, lora_a, lora_b, scale: float):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        a, b = lora_a.to(x.dtype), lora_b.to(x.dtype)
+        if w8 is not None:
+            xq, x_inv = quantize(x2, -1)
+            out = mm8(xq, x_inv, w8.t(), w8_inv, x.dtype, fast_accum=True)
+        else:
+            out = x2 @ weight.to(x.dtype).t()
+        xa = x2 @ a.t()
+        out = torch.addmm(out, xa, b.t(), alpha=scale)
+        ctx.save_for_backward(x2, xa, weight, w8t, w8t_inv, lora_a, lora_b)
+        ctx.scale, ctx.shape = scale, shape
+        return out.reshape(*shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, xa, weight, w8t, w8t_inv, lora_a, lora_b = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        a, b = lora_a.to(dy.dtype), lora_b.to(dy.dtype)
+        m = (dy2 @ b) * ctx.scale
+        if w8t is not None:
+            dq, d_inv = quantize(dy2, -1)
+            dx = mm8(dq, d_inv, w8t.t(), w8t_inv, dy.dtype, fast_accum=False)
+        else:
+            dx = dy2 @ weight.to(dy.dtype)
+        dx = torch.addmm(dx, m, a)
+        grad_a = (m.t() @ x2).to(lora_a.dtype)
+        grad_b = ((dy2 * ctx.scale).t() @ xa).to(lora_b.dtype)
+        return dx.reshape(ctx.shape), None, None, None, None, None, grad_a, grad_b, None
+
+
+def _forward(self, x, *args, **kwargs):
+    """A peft LoRA Linear's forward through `FrozenLoRA`; peft's own when merged, disabled or not this case."""
+    if self.disable_adapters or self.merged or args or kwargs or len(self.active_adapters) != 1:
+        return self._peft_forward(x, *args, **kwargs)
+    name = self.active_adapters[0]
+    base = self.base_layer
+    if torch.is_autocast_enabled(x.device.type):  # what autocast would have made of the inputs
+        x = x.to(torch.get_autocast_dtype(x.device.type))
+    return FrozenLoRA.apply(x, base.weight, getattr(base, "tk_w8", None), getattr(base, "tk_w8_inv", None),
+                            getattr(base, "tk_w8t", None), getattr(base, "tk_w8t_inv", None),
+                            self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name])
+
+
+def why_not(module) -> str:
+    """'' when `module` (a peft LoRA Linear) can take the fused forward, else why not."""
+    if type(module.base_layer) is not torch.nn.Linear:
+        return f"its base is {type(module.base_layer).__name__}, not a plain nn.Linear"
+    if module.base_layer.bias is not None:
+        return "its base has a bias"
+    if module.base_layer.weight.requires_grad:
+        return "its base weight trains"
+    if len(module.lora_A) != 1 or module.lora_variant:
+        return "it holds several adapters or a LoRA variant (DoRA)"
+    if not isinstance(next(iter(module.lora_dropout.values())), torch.nn.Identity):
+        return "it has LoRA dropout (set lora_dropout 0)"
+    return ""
+
+
+@torch.no_grad()
+def attach(model, fp8: bool = False) -> str:
+    """Give every peft LoRA Linear of `model` the fused forward (in place); with `fp8`, quantize each frozen
+    base weight to FP8 once, in both layouts (non-persistent buffers: not saved). Returns what it did. A layer
+    that cannot take it is an error naming it and why."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, LoraLinear)]
+    if not layers:
+        raise ValueError("fast_lora: the model has no peft LoRA linear layers (method lora attaches them)")
+    for name, m in layers:
+        if why := why_not(m):
+            raise ValueError(f"fast_lora: layer {name}: {why}")
+    if fp8 and not fp8_matmul_available(layers[0][1].base_layer.weight.device):
+        raise RuntimeError("fast_lora with fp8: FP8 matmuls need a CUDA GPU of compute capability 8.9+ (Ada, Hopper)")
+    for _, m in layers:
+        base = m.base_layer
+        if fp8:
+            if base.in_features % 16 or base.out_features % 16:
+                raise ValueError(f"fast_lora with fp8: {base} has a dimension that is not a multiple of 16")
+            w8, w8_inv = quantize(base.weight, -1)  # per output row: [out, in], [out, 1]
+            w8t, w8t_inv = quantize(base.weight, 0)  # per input column: [out, in], [1, in]
+            base.register_buffer("tk_w8", w8, persistent=False)
+            base.register_buffer("tk_w8_inv", w8_inv.t().contiguous(), persistent=False)  # [1, out]
+            base.register_buffer("tk_w8t", w8t.t().contiguous(), persistent=False)
+            base.register_buffer("tk_w8t_inv", w8t_inv, persistent=False)
+        m._peft_forward = m.forward
+        m.forward = types.MethodType(_forward, m)
+    kind = "FP8 (e4m3, per-row scales, quantized once)" if fp8 else "bf16"
+    return f"fused LoRA in {len(layers)} linear layers, frozen base weights {kind}"
