@@ -1,14 +1,17 @@
 """A LoRA linear layer as one autograd function, with the frozen base weight in bf16 or in FP8 (issue 14).
 
-peft computes `base(x) + lora_B(lora_A(x)) * scale` as four modules: the low-rank product comes out full size
-([tokens, out]) and is added to the base output in another pass, and its backward adds the two input
-gradients in yet another. `FrozenLoRA` does the same arithmetic with the additions folded into the matrix
-multiplies (`addmm`: C + A @ B in one cuBLAS call):
+peft computes `base(x) + lora_B(lora_A(x)) * scale` as four modules. `FrozenLoRA` does the same arithmetic in
+one autograd function, the scale applied where the tensors are small ([tokens, r]):
 
-    forward   y  = x W^T  (+)  (x A^T) B^T * s          # xa = x A^T is [tokens, r]: the only thing kept besides x
-    backward  m  = dy B * s                              # [tokens, r]
-              dx = dy W   (+)  m A
-              dA = m^T x,  dB = s * dy^T xa
+    forward   xs = (x A^T) s                             # [tokens, r]: the only thing kept besides x
+              y  = x W^T + xs B^T
+    backward  m  = (dy B) s                              # [tokens, r]
+              dx = dy W + m A
+              dA = m^T x,  dB = dy^T xs
+
+The additions stay plain adds: under `torch.compile` each fuses into the elementwise kernel that follows. (Folding
+them into the matmuls with `addmm` was measured slower on the H200: cuBLAS first copies the full-size addend
+to the output, 19 ms a step of device-to-device copies for the 7B shape, `s14_profile_fast`.)
 
 The base weight is frozen, so its own gradient is never computed. That also makes FP8 cheaper than torchao's
 `Float8Linear` (`speedups.apply_fp8`), which quantizes each weight to FP8 again at every forward and backward,
@@ -72,15 +75,15 @@ class FrozenLoRA(torch.autograd.Function):
             out = mm8(xq, x_inv, w8.t(), w8_inv, x.dtype, fast_accum=True)
         else:
             out = x2 @ weight.to(x.dtype).t()
-        xa = x2 @ a.t()
-        out = torch.addmm(out, xa, b.t(), alpha=scale)
-        ctx.save_for_backward(x2, xa, weight, w8t, w8t_inv, lora_a, lora_b)
+        xs = (x2 @ a.t()) * scale  # [tokens, r]: scaled here, where it is small
+        out = out + xs @ b.t()  # a plain add: under compile it fuses into the next elementwise kernel
+        ctx.save_for_backward(x2, xs, weight, w8t, w8t_inv, lora_a, lora_b)
         ctx.scale, ctx.shape = scale, shape
         return out.reshape(*shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
-        x2, xa, weight, w8t, w8t_inv, lora_a, lora_b = ctx.saved_tensors
+        x2, xs, weight, w8t, w8t_inv, lora_a, lora_b = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
         a, b = lora_a.to(dy.dtype), lora_b.to(dy.dtype)
         m = (dy2 @ b) * ctx.scale
@@ -89,9 +92,9 @@ class FrozenLoRA(torch.autograd.Function):
             dx = mm8(dq, d_inv, w8t.t(), w8t_inv, dy.dtype, fast_accum=False)
         else:
             dx = dy2 @ weight.to(dy.dtype)
-        dx = torch.addmm(dx, m, a)
+        dx = dx + m @ a
         grad_a = (m.t() @ x2).to(lora_a.dtype)
-        grad_b = ((dy2 * ctx.scale).t() @ xa).to(lora_b.dtype)
+        grad_b = (dy2.t() @ xs).to(lora_b.dtype)
         return dx.reshape(ctx.shape), None, None, None, None, None, grad_a, grad_b, None
 
 
