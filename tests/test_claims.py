@@ -65,13 +65,45 @@ def test_reference_table_marks_cited_figures():
 def test_render_readme_replaces_blocks_and_needs_them():
     text = "a\n<!-- headline:start -->\n<!-- headline:end -->\n<!-- epochs:start -->\n<!-- epochs:end -->\n" \
            "<!-- results:start -->\nOLD-BLOCK\n<!-- results:end -->\n<!-- claims:start -->\n<!-- claims:end -->\n" \
-           "<!-- reference:start -->\n<!-- reference:end -->\nz\n"
+           "<!-- reference:start -->\n<!-- reference:end -->\n<!-- speedpush:start -->\n<!-- speedpush:end -->\nz\n"
     out = claims.render_readme(text, {})
     assert "OLD-BLOCK" not in out and "| # | the article says |" in out and "14 days -> 3 (C16): unmeasured" in out
     assert out.startswith("a\n") and out.endswith("z\n")
     assert claims.render_readme(out, {}) == out
     with pytest.raises(ValueError, match="headline:start"):
         claims.render_readme("no blocks", {})
+
+
+def _compare(name, method, ckpt, stacks):
+    rows = [{"stack": k, "tokens_per_s": v[0], "peak_memory_gb": v[1], "first_loss": 10.4} for k, v in stacks.items()]
+    ok = {r["stack"]: r for r in rows}
+    ratios = {f"tunekit_vs_{b}": ok["tunekit"]["tokens_per_s"] / ok[b]["tokens_per_s"] for b in ok if b != "tunekit"}
+    return {"name": name, "stacks": rows + [{"stack": "x", "skipped": "why"}], "ratios": ratios,
+            "loss_agreement": 1e-4, "tokens_per_s": ok["tunekit"]["tokens_per_s"], "commit": "abcdef0123",
+            "peak_memory_gb": ok["tunekit"]["peak_memory_gb"],
+            "config": {"method": method, "batch_size": 4, "max_length": 2048, "grad_ckpt": ckpt}}
+
+
+def test_speed_push_judges_each_target_from_its_runs():
+    rs = {"s14_compare_lora": _compare("s14_compare_lora", "lora", False, {
+              "hf_peft": (11_000, 65.0), "tunekit": (21_500, 49.0), "unsloth": (18_000, 43.0)}),
+          "s14_compare_qlora": _compare("s14_compare_qlora", "qlora", False, {
+              "tunekit": (19_000, 40.0), "unsloth": (17_600, 34.0)}),
+          "s14_lora_fast_fp8": {"name": "s14_lora_fast_fp8", "tokens_per_s": 26_000, "peak_memory_gb": 62.0}}
+    v = claims.judge("speed push", rs)
+    assert v.verdict == "2 of 5 met, 2 unmeasured"
+    assert "LoRA bf16: 21,500 tok/s, 49.0 GB, 1.19x Unsloth's 18,000 (43.0 GB) in the same run (target >= 21,000 " \
+           "tok/s: met)" in v.evidence
+    assert "QLoRA, no checkpointing: 19,000 tok/s, 40.0 GB" in v.evidence and "at <= 35 GB: missed" in v.evidence
+    assert "LoRA FP8: 26,000 tok/s" in v.evidence and "(cited:" in v.evidence  # NeMo's figure, marked cited
+    assert "QLoRA batch 1: target >= 7,500 tok/s at <= 4.5 GB, unmeasured" in v.evidence
+    assert v.files == ("s14_compare_lora", "s14_lora_fast_fp8", "s14_compare_qlora")
+    assert claims.judge("speed push", {}).verdict == "unmeasured"
+    table = claims.speed_table(rs)
+    assert "| `s14_compare_lora` | lora b4x2048 | 11,000 tok/s, 65.0 GB | 21,500 tok/s, 49.0 GB | 18,000 tok/s, " \
+           "43.0 GB | 1.95x | 1.19x | 1.0e-04 | abcdef0 |" in table
+    assert "| `s14_compare_qlora` | qlora b4x2048 | - |" in table
+    assert "no `bench --compare` result yet" in claims.speed_table({})
 
 
 def test_c16_is_the_ratio_of_the_two_epochs():

@@ -412,6 +412,83 @@ def fp8(rs: dict[str, dict]) -> Verdict:
     return _switch_with_and_without_compile(rs, "fp8", "torchao float8 (rowwise)", "fp8")
 
 
+# ---- issue 14: the speed push, side by side with the plain stack and Unsloth --------------------------------------
+
+# (what, tok/s at least, peak GB at most or None): issue 14's targets on one H200, 7B shape, seq 2048, LoRA r16
+SPEED_TARGETS = {
+    "lora": ("LoRA bf16", 21_000, None),
+    "fp8": ("LoRA FP8", 25_500, None),
+    "qlora": ("QLoRA, no checkpointing", 20_000, 35.0),
+    "qlora_ckpt": ("QLoRA with checkpointing", 13_500, 8.0),
+    "qlora_b1": ("QLoRA batch 1", 7_500, 4.5),
+}
+# where each target is measured: a `bench --compare` result (its tunekit row) or, for FP8, the fastest of the
+# FP8 step benches (Unsloth has no FP8 LoRA row to run against)
+SPEED_SOURCES = {"lora": ("s14_compare_lora",), "fp8": ("s14_lora_fast2_fp8", "s14_lora_fast_fp8"),
+                 "qlora": ("s14_compare_qlora",), "qlora_ckpt": ("s14_compare_qlora_ckpt",),
+                 "qlora_b1": ("s14_compare_qlora_b1",)}
+
+
+def _stack(r: dict, name: str) -> dict | None:
+    return next((x for x in r.get("stacks", []) if x["stack"] == name and "tokens_per_s" in x), None)
+
+
+def speed_push(rs: dict[str, dict]) -> Verdict:
+    """Issue 14's targets, each from the results that measure it; a target with no result reads unmeasured."""
+    parts, files, met, judged = [], [], 0, 0
+    for key, (what, tps, gb) in SPEED_TARGETS.items():
+        found = [rs[n] for n in SPEED_SOURCES[key] if n in rs]
+        want = f">= {_tps(tps)} tok/s" + (f" at <= {gb:g} GB" if gb else "")
+        if not found:
+            parts.append(f"{what}: target {want}, unmeasured")
+            continue
+        r = max(found, key=lambda x: x["tokens_per_s"] or 0)
+        files.append(r["name"])
+        ours, theirs = _stack(r, "tunekit") or r, _stack(r, "unsloth")
+        ok = ours["tokens_per_s"] >= tps and (gb is None or ours["peak_memory_gb"] <= gb)
+        judged, met = judged + 1, met + ok
+        vs = f", {r['ratios']['tunekit_vs_unsloth']:.2f}x Unsloth's {_tps(theirs['tokens_per_s'])} " \
+             f"({theirs['peak_memory_gb']:.1f} GB) in the same run" if theirs and "tunekit_vs_unsloth" in r["ratios"] else ""
+        parts.append(f"{what}: {_tps(ours['tokens_per_s'])} tok/s, {ours['peak_memory_gb']:.1f} GB{vs} "
+                     f"(target {want}: {'met' if ok else 'missed'})")
+    nemo = cited().get("nemo_lora_fp8")
+    if nemo and any(n in rs for n in SPEED_SOURCES["fp8"]):
+        parts.append(f"NeMo's Llama-2-7B FP8 LoRA: {_tps(nemo['tokens_per_s'])} tok/s per GPU on an H100 (cited: "
+                     f"{nemo['source']})")
+    verdict = f"{met} of {len(SPEED_TARGETS)} met" + (f", {len(SPEED_TARGETS) - judged} unmeasured"
+                                                      if judged < len(SPEED_TARGETS) else "")
+    if not judged:
+        raise MissingResult(SPEED_SOURCES["lora"][0])
+    return Verdict("speed push", verdict, "; ".join(parts), tuple(files))
+
+
+def speed_table(rs: dict[str, dict]) -> str:
+    """Every `bench --compare` result: each stack's tok/s and memory in that one run, tunekit's ratios, and how
+    far apart the stacks' first losses were (the same weights and tokens: they compute the same thing)."""
+    rows = ["| run | setup | plain HF + peft | tunekit | Unsloth | tunekit vs plain | tunekit vs Unsloth | loss agreement "
+            "| commit |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted((r for r in rs.values() if "stacks" in r), key=lambda r: r["name"]):
+        c = r["config"]
+        setup = f"{c['method']} b{c['batch_size']}x{c['max_length']}" + (", ckpt" if c["grad_ckpt"] else "")
+
+        def cell(stack: str) -> str:
+            x = next((x for x in r["stacks"] if x["stack"] == stack), None)
+            if x is None:
+                return "-"
+            if "tokens_per_s" not in x:
+                return "skipped" if "skipped" in x else "failed"
+            return f"{_tps(x['tokens_per_s'])} tok/s, {x['peak_memory_gb']:.1f} GB"
+
+        ratio = {k: f"{v:.2f}x" for k, v in r["ratios"].items()}
+        agree = "-" if r["loss_agreement"] is None else f"{r['loss_agreement']:.1e}"
+        rows.append(f"| `{r['name']}` | {setup} | {cell('hf_peft')} | {cell('tunekit')} | {cell('unsloth')} | "
+                    f"{ratio.get('tunekit_vs_hf_peft', '-')} | {ratio.get('tunekit_vs_unsloth', '-')} | {agree} | "
+                    f"{(r['commit'] or '-')[:7]} |")
+    if len(rows) == 2:
+        rows.append("| *(no `bench --compare` result yet)* |  |  |  |  |  |  |  |  |")
+    return "\n".join(rows)
+
+
 # ---- lesson 5: the whole checklist on one run ------------------------------------------------------------------
 
 ARTICLE_SPEEDUP = 14 / 3  # "14 days to 3"
@@ -495,6 +572,9 @@ CLAIMS = {  # id: (the article says, how it is judged, or the lesson that will m
     "fused kernels": ("*(the article is silent)* Liger's fused kernels", fused_kernels),
     "fp8": ("*(the article is silent)* FP8 training on Hopper", fp8),
     "C16": ("the checklist takes a 7B run from 14 days to 3", c16),
+    "speed push": ("*(tunekit's targets, issue 14)* one H200: LoRA bf16 >= 21,000 tok/s, FP8 >= 25,500, QLoRA >= "
+                   "20,000 at <= 35 GB and >= 13,500 at <= 8 GB with checkpointing, batch 1 >= 7,500 at <= 4.5 GB",
+                   speed_push),
 }
 
 
@@ -637,7 +717,7 @@ def render_readme(text: str, rs: dict[str, dict]) -> str:
     """`text` with every generated block (`<!-- NAME:start -->` ... `<!-- NAME:end -->`) rendered anew."""
     blocks = {"headline": headline(rs), "results": format_table(sorted(step_results(rs), key=lambda r: r["name"])),
               "epochs": epoch_table(rs),
-              "claims": claims_table(rs), "reference": reference_table(rs)}
+              "claims": claims_table(rs), "reference": reference_table(rs), "speedpush": speed_table(rs)}
     for name, body in blocks.items():
         pattern = re.compile(rf"(<!-- {name}:start -->\n)(?:.*?\n)?(<!-- {name}:end -->)", re.S)
         if not pattern.search(text):
