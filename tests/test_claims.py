@@ -89,21 +89,27 @@ def test_speed_push_judges_each_target_from_its_runs():
               "hf_peft": (11_000, 65.0), "tunekit": (21_500, 49.0), "unsloth": (18_000, 43.0)}),
           "s14_compare_qlora": _compare("s14_compare_qlora", "qlora", False, {
               "tunekit": (19_000, 40.0), "unsloth": (17_600, 34.0)}),
-          "s14_lora_fast_fp8": {"name": "s14_lora_fast_fp8", "tokens_per_s": 26_000, "peak_memory_gb": 62.0}}
+          "s14_lora_fast_fp8": {"name": "s14_lora_fast_fp8", "tokens_per_s": 26_000, "peak_memory_gb": 62.0},
+          "train_s14_fast_fp8": {"name": "train_s14_fast_fp8", "tokens_per_s": 23_400, "packing": "pack",
+                                 "config": {"data": "gsm8k"}}}
     v = claims.judge("speed push", rs)
+    assert "on gsm8k (packed rows): 23,400 real tok/s, 90% of the step bench's 26,000 (target >= 90%: met" \
+        in v.evidence
     assert v.verdict == "2 of 5 met, 2 unmeasured"
-    assert "LoRA bf16: 21,500 tok/s, 49.0 GB, 1.19x Unsloth's 18,000 (43.0 GB) in the same run (target >= 21,000 " \
-           "tok/s: met)" in v.evidence
+    assert "LoRA bf16: 21,500 tok/s, 49.0 GB; Unsloth in the same run 18,000 tok/s, 43.0 GB: tunekit 1.19x " \
+           "(target >= 21,000 tok/s: met)" in v.evidence
     assert "QLoRA, no checkpointing: 19,000 tok/s, 40.0 GB" in v.evidence and "at <= 35 GB: missed" in v.evidence
     assert "LoRA FP8: 26,000 tok/s" in v.evidence and "(cited:" in v.evidence  # NeMo's figure, marked cited
     assert "QLoRA batch 1: target >= 7,500 tok/s at <= 4.5 GB, unmeasured" in v.evidence
-    assert v.files == ("s14_compare_lora", "s14_lora_fast_fp8", "s14_compare_qlora")
+    assert v.files == ("s14_compare_lora", "s14_lora_fast_fp8", "s14_compare_qlora", "train_s14_fast_fp8")
     assert claims.judge("speed push", {}).verdict == "unmeasured"
     table = claims.speed_table(rs)
     assert "| `s14_compare_lora` | lora b4x2048 | 11,000 tok/s, 65.0 GB | 21,500 tok/s, 49.0 GB | 18,000 tok/s, " \
            "43.0 GB | 1.95x | 1.19x | 1.0e-04 | abcdef0 |" in table
     assert "| `s14_compare_qlora` | qlora b4x2048 | - |" in table
     assert "no `bench --compare` result yet" in claims.speed_table({})
+    a, b = {"tokens_per_s": 101, "step_time_spread": 0.03}, {"tokens_per_s": 100, "step_time_spread": 0.01}
+    assert claims._vs(a, b) == "1.01x, same within noise (±3%)" and claims._vs(a, None) == "-"
 
 
 def test_c16_is_the_ratio_of_the_two_epochs():
