@@ -426,7 +426,7 @@ SPEED_TARGETS = {
 # FP8 step benches (Unsloth has no FP8 LoRA row to run against)
 SPEED_SOURCES = {"lora": ("s14_compare_lora",), "fp8": ("s14_lora_fast2_fp8", "s14_lora_fast_fp8"),
                  "qlora": ("s14_compare_qlora",), "qlora_ckpt": ("s14_compare_qlora_ckpt",),
-                 "qlora_b1": ("s14_compare_qlora_b1",)}
+                 "qlora_b1": ("s14_compare_qlora_b1", "s14_compare_qlora_b1_compiled")}
 
 
 def _stack(r: dict, name: str) -> dict | None:
