@@ -162,3 +162,21 @@ def test_epoch_table_lists_the_waterfall_in_order_and_the_reruns():
     assert lines[2].startswith("| l5_before | before: the article's recipe | 10.0 | 9.7 | 4.5 | 20 | 2,000 |")
     assert lines[3].startswith("| l5_step1 |") and "unmeasured" in lines[3]
     assert "| l5_step2_rerun | l5_step2 again, on another machine (-10% tok/s) |" in lines[-1]
+
+
+def test_scaling_reports_each_count_and_judges_eight_gpus():
+    def point(workload, n, tps, gb=40.0):
+        return {"name": f"l3_scale_{workload}_{n}gpu", "tokens_per_s": tps, "peak_memory_gb": gb}
+
+    rs = {r["name"]: r for r in (point("fsdp_full", 1, 12_000, 80.0), point("fsdp_full", 2, 11_800, 47.0),
+                                 point("ddp_lora", 1, 13_000), point("ddp_lora", 2, 12_700))}
+    v = claims.judge("scaling target", rs)
+    assert v.verdict == "unmeasured at 8 GPUs"
+    assert "fsdp_full: 1 GPU 12,000 tok/s per GPU, 80.0 GB; 2 GPUs 11,800 tok/s per GPU, 98.3% of one GPU's, " \
+           "47.0 GB (not measured on 4, 8 GPUs)" in v.evidence
+    assert "ddp_lora: 1 GPU 13,000" in v.evidence and len(v.files) == 4
+    rs.update({r["name"]: r for r in (point("fsdp_full", 8, 11_000),)})
+    assert claims.judge("scaling target", rs).verdict == "missed"  # 91.7% kept, but under 11,500 per GPU
+    rs["l3_scale_fsdp_full_8gpu"]["tokens_per_s"] = 11_600
+    assert claims.judge("scaling target", rs).verdict == "met"
+    assert claims.judge("scaling target", {}).verdict == "unmeasured"

@@ -211,3 +211,35 @@ def test_lesson5_plan_runs_the_ends_back_to_back_on_one_gpu():
     smoke = notebook.lesson5_plan(False)
     assert [n for n, _, _ in smoke] == ["l5_before", "l5_after"]
     assert all("--method=lora" in args and "--epoch" in args for _, args, _ in smoke)
+
+
+def test_scaling_plan_covers_each_workload_at_each_count_it_can():
+    from tunekit import notebook
+
+    plan = notebook.scaling_plan(8)
+    assert [n for _, n, _ in plan] == [1] * 3 + [2] * 3 + [4] * 3 + [8] * 3
+    names = [name for name, _, _ in plan]
+    assert "l3_scale_fsdp_full_8gpu" in names and "l3_scale_ddp_lora_1gpu" in names
+    full = {name: args for name, _, args in plan}["l3_scale_fsdp_full_4gpu"]
+    assert full[:3] == ["bench", "--preset", "llama7b_lora"] and "--parallel" in full and "fsdp" in full
+    assert [n for _, n, _ in notebook.scaling_plan(2)] == [1, 1, 1, 2, 2, 2]  # a two-GPU machine: its points
+    smoke = notebook.scaling_plan(0, smoke=True, workloads=("fsdp_qlora",))
+    assert [(name, n) for name, n, _ in smoke] == [("l3_scale_fsdp_qlora_1gpu", 1), ("l3_scale_fsdp_qlora_2gpu", 2)]
+    assert "tiny" in smoke[0][2] and "qlora" not in " ".join(smoke[0][2])  # bitsandbytes needs CUDA
+    with pytest.raises(ValueError, match="choose from"):
+        notebook.scaling_plan(8, workloads=("pipeline",))
+
+
+@pytest.mark.slow
+def test_measure_scaling_launches_each_count_on_cpu(tmp_path, monkeypatch):
+    """The smoke plan of one workload end to end: one process, then two under torchrun (gloo); each writes its
+    result, rank 0 for the pair, with the world size it ran on."""
+    import json
+
+    monkeypatch.setattr(notebook, "results_dir", lambda: tmp_path)
+    monkeypatch.setenv("TUNEKIT_SMOKE", "1")
+    notebook.measure_scaling(0, ("ddp_lora",))
+    one = json.loads((tmp_path / "l3_scale_ddp_lora_1gpu.json").read_text())
+    two = json.loads((tmp_path / "l3_scale_ddp_lora_2gpu.json").read_text())
+    assert (one["world_size"], two["world_size"]) == (1, 2)
+    assert one["tokens_per_s"] > 0 and two["tokens_per_s"] > 0 and two["config"]["parallel"] == "ddp"

@@ -483,13 +483,13 @@ def speed_push(rs: dict[str, dict]) -> Verdict:
 def speed_table(rs: dict[str, dict]) -> str:
     """Every `bench --compare` result: each stack's tok/s and memory in that one run, tunekit's ratios, and how
     far apart the stacks' first losses were (the same weights and tokens: they compute the same thing)."""
-    rows = ["| run | setup | plain HF + peft | tunekit | Unsloth | tunekit vs plain | tunekit vs Unsloth | loss agreement "
-            "| commit |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = [("| run | setup | plain HF + peft | tunekit | Unsloth | tunekit vs plain | tunekit vs Unsloth "
+             "| loss agreement | commit |"), "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted((r for r in rs.values() if "stacks" in r), key=lambda r: r["name"]):
         c = r["config"]
         setup = f"{c['method']} b{c['batch_size']}x{c['max_length']}" + (", ckpt" if c["grad_ckpt"] else "")
 
-        def cell(stack: str) -> str:
+        def cell(stack: str, r: dict = r) -> str:
             x = next((x for x in r["stacks"] if x["stack"] == stack), None)
             if x is None:
                 return "-"
@@ -505,6 +505,53 @@ def speed_table(rs: dict[str, dict]) -> str:
     if len(rows) == 2:
         rows.append("| *(no `bench --compare` result yet)* |  |  |  |  |  |  |  |  |")
     return "\n".join(rows)
+
+
+# ---- issue 15: 1 to 8 GPUs -------------------------------------------------------------------------------------
+
+SCALING_TARGET = (0.90, 11_500)  # FSDP2 full fine-tune: per-GPU speed kept from 1 to 8 GPUs, tok/s per GPU at 8
+
+
+def scaling_points(rs: dict[str, dict]) -> dict[str, dict[int, dict]]:
+    """{workload: {GPUs: result}} of the `l3_scale_<workload>_<n>gpu` results (`notebook.scaling_plan`)."""
+    points: dict[str, dict[int, dict]] = {}
+    for name, r in rs.items():
+        if m := re.fullmatch(r"l3_scale_(\w+?)_(\d+)gpu", name):
+            points.setdefault(m.group(1), {})[int(m.group(2))] = r
+    return points
+
+
+def scaling(rs: dict[str, dict]) -> Verdict:
+    """Issue 15: each workload's tok/s per GPU, its share of one GPU's (scaling efficiency) and peak memory at
+    every GPU count measured; the target on FSDP2 full fine-tuning at 8 GPUs. Counts not measured are named."""
+    from tunekit.notebook import SCALING_GPUS
+
+    points = scaling_points(rs)
+    if not points:
+        raise MissingResult("l3_scale_fsdp_full_1gpu")
+    parts, files = [], []
+    for workload, by_n in sorted(points.items()):
+        one = by_n.get(1)
+        cells = []
+        for n in sorted(by_n):
+            r = by_n[n]
+            files.append(r["name"])
+            eff = f", {r['tokens_per_s'] / one['tokens_per_s']:.1%} of one GPU's" if one and n > 1 else ""
+            cells.append(f"{n} GPU{'s' if n > 1 else ''} {_tps(r['tokens_per_s'])} tok/s per GPU{eff}, "
+                         f"{r['peak_memory_gb']:.1f} GB")
+        missing = [str(n) for n in SCALING_GPUS if n not in by_n]
+        parts.append(f"{workload}: " + "; ".join(cells) + (f" (not measured on {', '.join(missing)} GPUs)"
+                                                           if missing else ""))
+    full = points.get("fsdp_full", {})
+    if 8 in full and 1 in full:
+        eff = full[8]["tokens_per_s"] / full[1]["tokens_per_s"]
+        met = eff >= SCALING_TARGET[0] and full[8]["tokens_per_s"] >= SCALING_TARGET[1]
+        verdict = "met" if met else "missed"
+    else:
+        verdict = "unmeasured at 8 GPUs"
+    target = f"target: FSDP2 full fine-tune >= {SCALING_TARGET[0]:.0%} of one GPU's speed per GPU on 8, at >= " \
+             f"{_tps(SCALING_TARGET[1])} tok/s per GPU"
+    return Verdict("scaling target", verdict, target + "; " + "; ".join(parts), tuple(files))
 
 
 # ---- lesson 5: the whole checklist on one run ------------------------------------------------------------------
@@ -583,6 +630,8 @@ CLAIMS = {  # id: (the article says, how it is judged, or the lesson that will m
     "C12": ("gradient accumulation emulates a large batch", c12),
     "parallel targets": ("*(tunekit's targets)* 2 GPUs: FSDP2 full 7B >= 11,500 tok/s per GPU, DDP LoRA >= 98% "
                          "of one GPU, FSDP2 QLoRA >= one GPU", parallel_targets),
+    "scaling target": (("*(tunekit's target, issue 15)* FSDP2 full fine-tune 7B keeps >= 90% of one GPU's speed per "
+                        "GPU on 8 GPUs, at >= 11,500 tok/s per GPU"), scaling),
     "C13": ("TF32: +30% speed, almost no precision loss", c13),
     "C14": ("`torch.compile`: minutes to compile, then +20-50%", c14),
     "compile target": ("*(tunekit's target)* compiled LoRA 7B >= 18,000 tok/s, <= 15 s to the first step", compile_target),
@@ -590,8 +639,8 @@ CLAIMS = {  # id: (the article says, how it is judged, or the lesson that will m
     "fused kernels": ("*(the article is silent)* Liger's fused kernels", fused_kernels),
     "fp8": ("*(the article is silent)* FP8 training on Hopper", fp8),
     "C16": ("the checklist takes a 7B run from 14 days to 3", c16),
-    "speed push": ("*(tunekit's targets, issue 14)* one H200: LoRA bf16 >= 21,000 tok/s, FP8 >= 25,500, QLoRA >= "
-                   "20,000 at <= 35 GB and >= 13,500 at <= 8 GB with checkpointing, batch 1 >= 7,500 at <= 4.5 GB",
+    "speed push": (("*(tunekit's targets, issue 14)* one H200: LoRA bf16 >= 21,000 tok/s, FP8 >= 25,500, QLoRA >= "
+                    "20,000 at <= 35 GB and >= 13,500 at <= 8 GB with checkpointing, batch 1 >= 7,500 at <= 4.5 GB"),
                    speed_push),
 }
 

@@ -334,6 +334,50 @@ def lesson5_plan(gpu: bool, fraction: float = LESSON5_FRACTION) -> list[tuple[st
     return ends + warm + middle + fp8  # an end first: the two keys go to two GPUs
 
 
+# ---- issue 15: scaling from 1 to 8 GPUs ------------------------------------------------------------------------
+
+SCALING_GPUS = (1, 2, 4, 8)
+# workload: (what it is, `tunekit` arguments on a GPU); each runs under its parallelism on 1, 2, 4 and 8 GPUs
+SCALING_WORKLOADS = {
+    "ddp_lora": ("DDP, LoRA 7B, batch 4 per GPU", ["bench", "--preset", "llama7b_lora", "--parallel", "ddp"]),
+    "fsdp_full": ("FSDP2, full fine-tune 7B, batch 4 per GPU, each block compiled",
+                  ["bench", "--preset", "llama7b_lora", "--method", "full", "--parallel", "fsdp", "--batch-size", "4",
+                   "--compile", "regional"]),
+    "fsdp_qlora": ("FSDP2, QLoRA 7B, checkpointing, batch 8 per GPU",
+                   ["bench", "--preset", "llama7b_qlora", "--parallel", "fsdp"]),
+}
+SCALING_SMOKE = ["--preset", "tiny", "--max-length", "128", "--batch-size", "2", "--bench-warmup", "1",
+                 "--bench-steps", "2", "--bench-max-steps", "2"]
+
+
+def scaling_plan(gpus: int, smoke: bool = False, workloads: tuple[str, ...] = tuple(SCALING_WORKLOADS)) \
+        -> list[tuple[str, int, list[str]]]:
+    """(result name `l3_scale_<workload>_<n>gpu`, processes, `tunekit` arguments) for each workload at each count
+    of `SCALING_GPUS` up to `gpus`, fewest GPUs first (one GPU is each workload's baseline: the same step in one
+    process). Smoke: the tiny model on 1 and 2 CPU processes (gloo), QLoRA as LoRA."""
+    unknown = [w for w in workloads if w not in SCALING_WORKLOADS]
+    if unknown:
+        raise ValueError(f"scaling workloads {unknown}: choose from {', '.join(SCALING_WORKLOADS)}")
+    counts = [n for n in SCALING_GPUS if n <= (2 if smoke else gpus)]
+    plan = []
+    for n in counts:
+        for w in workloads:
+            args = SCALING_WORKLOADS[w][1]
+            if smoke:  # the same parallelism and method on the tiny model; bitsandbytes needs CUDA
+                method = "full" if "full" in w else "lora"
+                args = ["bench", *SCALING_SMOKE, "--method", method, "--parallel", args[args.index("--parallel") + 1]]
+            plan.append((f"l3_scale_{w}_{n}gpu", n, list(args)))
+    return plan
+
+
+def measure_scaling(gpus: int, workloads: tuple[str, ...] = tuple(SCALING_WORKLOADS)) -> None:
+    """Measure `scaling_plan` one launch at a time, each on its count of GPUs, with NVLink SHARP and multicast off
+    (../shared/gpu/README.md). `python -m tunekit.notebook --measure scaling GPUS [WORKLOAD,...]`."""
+    env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+    for name, n, args in scaling_plan(gpus, not on_gpu(), workloads):
+        measure(name, n, *args, env=env)
+
+
 def gpu_count() -> int:
     return torch.cuda.device_count() if on_gpu() else 0
 
@@ -436,7 +480,11 @@ if __name__ == "__main__":
     # python -m tunekit.notebook --measure 4 GPUS   lesson 4's plan on GPUS GPUs at once (the notebook then reads it)
     # python -m tunekit.notebook --measure 4 GPUS SECTION,SECTION   only those sections
     # python -m tunekit.notebook --measure 5 GPUS [NAME,NAME]      lesson 5's runs (or those of them)
-    if sys.argv[1:3] == ["--measure", "5"]:  # python -m tunekit.notebook --measure 5 GPUS
+    # python -m tunekit.notebook --measure scaling GPUS [WORKLOAD,...]  issue 15: 1, 2, 4, 8 GPUs up to GPUS
+    if sys.argv[1:3] == ["--measure", "scaling"]:
+        measure_scaling(int(sys.argv[3]), tuple(sys.argv[4].split(",")) if len(sys.argv) > 4 else
+                        tuple(SCALING_WORKLOADS))
+    elif sys.argv[1:3] == ["--measure", "5"]:  # python -m tunekit.notebook --measure 5 GPUS
         lesson5_prepare(on_gpu())
         plan = lesson5_plan(on_gpu())
         wanted = sys.argv[4].split(",") if len(sys.argv) > 4 else [name for name, _, _ in plan]
