@@ -195,7 +195,7 @@ def test_lesson5_plan_runs_the_ends_back_to_back_on_one_gpu():
     from tunekit import notebook
 
     plan = notebook.lesson5_plan(True)
-    assert [n for n, _, _ in plan[:2]] == ["l5_before", "l5_after"] and len(plan) == len(notebook.LESSON5_STEPS) + 2
+    assert [n for n, _, _ in plan[:2]] == ["l5_before", "l5_after"] and len(plan) == len(notebook.LESSON5_STEPS) + 3
     queues = {}
     for name, args, cache in plan:
         queues.setdefault(cache.partition(":")[2], []).append(name)
@@ -206,8 +206,10 @@ def test_lesson5_plan_runs_the_ends_back_to_back_on_one_gpu():
     assert caches["l5_after"] == "cold:l5-ends" and caches["l5_after_warm"] == "warm:l5-ends"
     args = {name: a for name, a, _ in plan}
     assert args["l5_after_warm"] == args["l5_after"] and args["l5_after_fp8"] == [*args["l5_after"], "--fp8=true"]
+    assert args["l5_after_fast_fp8"] == [*args["l5_after"], "--fast-lora=true", "--fp8=true"]
     assert list(notebook.lesson5_labels()) == [*(n for n, _, _ in notebook.lesson5_runs(0.1)), "l5_after_warm",
-                                                "l5_after_fp8"] and set(notebook.lesson5_labels()) == set(args)
+                                                "l5_after_fp8", "l5_after_fast_fp8"]
+    assert set(notebook.lesson5_labels()) == set(args)
     smoke = notebook.lesson5_plan(False)
     assert [n for n, _, _ in smoke] == ["l5_before", "l5_after"]
     assert all("--method=lora" in args and "--epoch" in args for _, args, _ in smoke)

@@ -568,7 +568,9 @@ def c16(rs: dict[str, dict]) -> Verdict:
     ratio = before["epoch_s_projected"] / after["epoch_s_projected"]
     # the after recipe's next run, its compiled kernels cached; and with FP8 matmuls (where measured)
     extras = [(what, rs[name]) for what, name in (("a second run, compile cache warm:", "l5_after_warm"),
-                                                   ("with FP8 matmuls:", "l5_after_fp8")) if name in rs]
+                                                   ("with FP8 matmuls:", "l5_after_fp8"),
+                                                   ("with the fused LoRA and FP8 weights quantized once (issue 14):",
+                                                    "l5_after_fast_fp8")) if name in rs]
     verdict = (f"holds: {ratio:.1f}x" if ratio >= ARTICLE_SPEEDUP else
                f"partly: {ratio:.1f}x (the article's floor, 2x, holds)" if ratio >= 2 else f"not here: {ratio:.1f}x")
     frac = f"{before['fraction']:g} of an epoch each, projected to a whole" if before["fraction"] < 1 else "a whole epoch"

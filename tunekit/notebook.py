@@ -290,7 +290,9 @@ LESSON5_SMOKE = ["--method=lora", "--peft-kbit-prepare=false", "--hidden-size=64
 
 # lesson5_plan's runs beside the waterfall, both of the after recipe
 LESSON5_VARIANTS = {"l5_after_warm": "the after recipe again, its compiled kernels cached",
-                    "l5_after_fp8": "the after recipe with FP8 matmuls (torchao, rowwise)"}
+                    "l5_after_fp8": "the after recipe with FP8 matmuls (torchao, rowwise)",
+                    "l5_after_fast_fp8": "the after recipe with the fused LoRA and FP8 weights quantized once "
+                                         "(issue 14)"}
 
 
 def lesson5_labels() -> dict[str, str]:
@@ -331,7 +333,9 @@ def lesson5_plan(gpu: bool, fraction: float = LESSON5_FRACTION) -> list[tuple[st
                else "warm:l5-other") for name, _, args in runs[1:-1]]
     # lesson 4's fastest step on random tokens, FP8 matmuls, tried on the real data
     fp8 = [("l5_after_fp8", [*runs[-1][2], "--fp8=true"], "cold:l5-fp8")]
-    return ends + warm + middle + fp8  # an end first: the two keys go to two GPUs
+    # the speed push's fastest recipe (lesson 6), on the same real data
+    fast = [("l5_after_fast_fp8", [*runs[-1][2], "--fast-lora=true", "--fp8=true"], "cold:l5-fast")]
+    return ends + warm + middle + fp8 + fast  # an end first: the two keys go to two GPUs
 
 
 # ---- issue 15: scaling from 1 to 8 GPUs ------------------------------------------------------------------------
