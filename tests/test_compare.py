@@ -57,6 +57,9 @@ def test_chart_and_cli(fields, tmp_path, result, capsys):
     assert main(["bench", "--compare", "--preset", "tiny", "--stacks", "tunekit", "--out", str(tmp_path), *fields]) == 0
     saved = json.loads((tmp_path / "compare_tiny.json").read_text())
     assert [r["stack"] for r in saved["stacks"]] == ["tunekit"] and (tmp_path / "compare_tiny.png").exists()
+    capsys.readouterr()
+    compare.run_compare("tiny", fields, stacks=("unsloth",), unsloth_site=str(tmp_path / "absent"))
+    assert "unsloth  skipped: no Unsloth site folder" in capsys.readouterr().out  # said, not only recorded
 
 
 def test_bad_requests_are_clear_errors(fields):

@@ -245,6 +245,8 @@ def run_compare(preset: str, fields: list[str], name: str = "", stacks: tuple[st
             if not site or not Path(site).is_dir():
                 rows.append({"stack": stack, "skipped": f"no Unsloth site folder ({site or 'none given'}): build one "
                              "with ../shared/gpu/build-unsloth-site, or pass --unsloth-site"})
+                if verbose:
+                    print(f"{stack:<8} skipped: {rows[-1]['skipped']}", flush=True)
                 continue
             prepared, why = _child(["--prepare", *base])
             row, why = _child(["--stack", stack, "--folder", prepared["folder"], *base], unsloth_env(site)) \
