@@ -135,6 +135,13 @@ def _runtime(cfg: TuneConfig, verbose: bool):
     return device, dtype, cfg.vocab_size or len(tr.build_tokenizer(cfg)), verbose and distributed.is_main()
 
 
+def random_micro_batches(cfg: TuneConfig, vocab: int) -> list[torch.Tensor]:
+    """The benchmark's fixed token ids: `grad_accum` micro-batches of `batch_size` x `max_length`, from a generator
+    seeded with the config's seed (`compare` feeds every stack the same ones)."""
+    g = torch.Generator().manual_seed(cfg.seed)
+    return [torch.randint(0, vocab, (cfg.batch_size, cfg.max_length), generator=g) for _ in range(cfg.grad_accum)]
+
+
 def _bench_step(cfg: TuneConfig, device: str, dtype: torch.dtype, vocab: int, verbose: bool):
     """(model, optimizer, scheduler, step): the config's training pieces and one optimizer step of them on
     fixed random tokens (every position a target; packed rows when `packing` is pack); `step()` returns the
@@ -143,10 +150,8 @@ def _bench_step(cfg: TuneConfig, device: str, dtype: torch.dtype, vocab: int, ve
 
     torch.manual_seed(cfg.seed)
     model, optimizer, scheduler, options = tr.build_training(cfg, vocab, device, dtype, 10**9, verbose)
-    g = torch.Generator().manual_seed(cfg.seed)
     micro = []
-    for _ in range(cfg.grad_accum):
-        ids = torch.randint(0, vocab, (cfg.batch_size, cfg.max_length), generator=g)
+    for ids in random_micro_batches(cfg, vocab):
         batch = {"input_ids": ids, "labels": ids.clone()}
         if cfg.packing == "pack":  # PACKED_DOCS equal samples a row, attending only within themselves
             batch["position_ids"] = packed_positions(cfg.batch_size, cfg.max_length)

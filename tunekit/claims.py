@@ -473,10 +473,10 @@ def speed_push(rs: dict[str, dict]) -> Verdict:
     if nemo and any(n in rs for n in SPEED_SOURCES["fp8"]):
         parts.append(f"NeMo's Llama-2-7B FP8 LoRA: {_tps(nemo['tokens_per_s'])} tok/s per GPU on an H100 (cited: "
                      f"{nemo['source']})")
-    verdict = f"{met} of {len(SPEED_TARGETS)} met" + (f", {len(SPEED_TARGETS) - judged} unmeasured"
-                                                      if judged < len(SPEED_TARGETS) else "")
     if not judged:
         raise MissingResult(SPEED_SOURCES["lora"][0])
+    verdict = f"{met} of {len(SPEED_TARGETS)} met" + (f", {len(SPEED_TARGETS) - judged} unmeasured"
+                                                      if judged < len(SPEED_TARGETS) else "")
     return Verdict("speed push", verdict, "; ".join(parts), tuple(files))
 
 

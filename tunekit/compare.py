@@ -37,11 +37,6 @@ STACKS = ("hf_peft", "tunekit", "unsloth")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def _tokens(cfg, vocab: int, device: str) -> torch.Tensor:
-    g = torch.Generator().manual_seed(cfg.seed)
-    return torch.randint(0, vocab, (cfg.batch_size, cfg.max_length), generator=g).to(device)
-
-
 def _hf_step(cfg, vocab: int, device: str, dtype: torch.dtype):
     """The plain HF + peft stack's `step()`: one optimizer step, returning the loss."""
     from peft import LoraConfig, get_peft_model
@@ -73,22 +68,28 @@ def _hf_step(cfg, vocab: int, device: str, dtype: torch.dtype):
 
 
 def _plain_loop(model, cfg, vocab: int, device: str, dtype: torch.dtype):
-    """The step a plain loop writes: the model's own loss (labels = inputs), backward, fused AdamW."""
-    ids = _tokens(cfg, vocab, device)
+    """The step a plain loop writes: the model's own loss (labels = inputs) on each of the bench's micro-batches,
+    divided by their number, backward, fused AdamW. Returns the step's loss."""
+    from tunekit.bench import random_micro_batches
+
+    micro = [ids.to(device) for ids in random_micro_batches(cfg, vocab)]
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
                                   fused=device == "cuda")
     autocast = dtype != torch.float32 and device == "cuda"
 
     def step() -> torch.Tensor:
-        with torch.autocast(device, dtype=dtype, enabled=autocast):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        total = torch.zeros((), device=device)
+        for ids in micro:
+            with torch.autocast(device, dtype=dtype, enabled=autocast):
+                loss = model(input_ids=ids, labels=ids).loss / len(micro)
+            loss.backward()
+            total += loss.detach()
         if cfg.max_grad_norm:
             torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        return total
 
     return step
 
@@ -129,7 +130,7 @@ def _unsloth_step(cfg, vocab: int, device: str, dtype: torch.dtype, folder: str)
     return _plain_loop(model, cfg, vocab, device, dtype)
 
 
-def _versions(stack: str) -> dict:
+def _versions() -> dict:
     import importlib.metadata as md
 
     out = {"torch": torch.__version__}
@@ -180,7 +181,7 @@ def run_stack(stack: str, cfg, folder: str = "") -> dict:
             "step_time_s": round(median, 5), "step_time_spread": round(bench.spread(times), 4),
             "median_error": round(bench.median_error(times), 4), "step_times_s": [round(t, 5) for t in times],
             "first_step_s": round(warm[0], 2) if warm else None, "build_s": round(build_s, 1),
-            "first_loss": first[0] if first else None, "versions": _versions(stack)}
+            "first_loss": first[0] if first else None, "versions": _versions()}
 
 
 # ---- the comparison: one child process per stack -------------------------------------------------------
@@ -190,8 +191,7 @@ def default_unsloth_site() -> str:
     """$TUNEKIT_UNSLOTH_SITE, else the repo's `.unsite/` when `build-unsloth-site` made one, else ''."""
     from tunekit.config import REPO_ROOT
 
-    site = os.environ.get("TUNEKIT_UNSLOTH_SITE") or (str(REPO_ROOT / ".unsite") if (REPO_ROOT / ".unsite").is_dir() else "")
-    return site
+    return os.environ.get("TUNEKIT_UNSLOTH_SITE") or (str(REPO_ROOT / ".unsite") if (REPO_ROOT / ".unsite").is_dir() else "")
 
 
 def _child(args: list[str], env: dict | None = None, timeout: float = 1800) -> tuple[dict | None, str]:

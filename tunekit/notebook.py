@@ -341,14 +341,13 @@ def lesson5_plan(gpu: bool, fraction: float = LESSON5_FRACTION) -> list[tuple[st
 # ---- issue 15: scaling from 1 to 8 GPUs ------------------------------------------------------------------------
 
 SCALING_GPUS = (1, 2, 4, 8)
-# workload: (what it is, `tunekit` arguments on a GPU); each runs under its parallelism on 1, 2, 4 and 8 GPUs
+# workload: its `tunekit` arguments on a GPU; each runs under its parallelism on 1, 2, 4 and 8 GPUs
 SCALING_WORKLOADS = {
-    "ddp_lora": ("DDP, LoRA 7B, batch 4 per GPU", ["bench", "--preset", "llama7b_lora", "--parallel", "ddp"]),
-    "fsdp_full": ("FSDP2, full fine-tune 7B, batch 4 per GPU, each block compiled",
-                  ["bench", "--preset", "llama7b_lora", "--method", "full", "--parallel", "fsdp", "--batch-size", "4",
-                   "--compile", "regional"]),
-    "fsdp_qlora": ("FSDP2, QLoRA 7B, checkpointing, batch 8 per GPU",
-                   ["bench", "--preset", "llama7b_qlora", "--parallel", "fsdp"]),
+    "ddp_lora": ["bench", "--preset", "llama7b_lora", "--parallel", "ddp"],  # LoRA 7B, batch 4 per GPU
+    # full fine-tune 7B, batch 4 per GPU, each block compiled
+    "fsdp_full": ["bench", "--preset", "llama7b_lora", "--method", "full", "--parallel", "fsdp", "--batch-size", "4",
+                  "--compile", "regional"],
+    "fsdp_qlora": ["bench", "--preset", "llama7b_qlora", "--parallel", "fsdp"],  # QLoRA 7B, checkpointing, batch 8
 }
 SCALING_SMOKE = ["--preset", "tiny", "--max-length", "128", "--batch-size", "2", "--bench-warmup", "1",
                  "--bench-steps", "2", "--bench-max-steps", "2"]
@@ -366,7 +365,7 @@ def scaling_plan(gpus: int, smoke: bool = False, workloads: tuple[str, ...] = tu
     plan = []
     for n in counts:
         for w in workloads:
-            args = SCALING_WORKLOADS[w][1]
+            args = SCALING_WORKLOADS[w]
             if smoke:  # the same parallelism and method on the tiny model; bitsandbytes needs CUDA
                 method = "full" if "full" in w else "lora"
                 args = ["bench", *SCALING_SMOKE, "--method", method, "--parallel", args[args.index("--parallel") + 1]]
