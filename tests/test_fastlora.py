@@ -56,6 +56,64 @@ def test_fused_lora_matches_peft_in_fp32(ids):
         assert rel(g1[n], g0[n]) < 1e-5, n
 
 
+def test_grouped_siblings_match_peft_and_each_layer_alone(ids, monkeypatch):
+    """q/k/v and gate/up as one matmul each way (`GroupLoRA`) against peft and the ungrouped fused path, fp32:
+    the same loss and gradients; the members' weights are views of the one concatenated weight."""
+    plain = lora_model()
+    grouped, alone = copy.deepcopy(plain), copy.deepcopy(plain)
+    assert "4 groups of siblings" in fastlora.attach(grouped)
+    assert "groups" not in fastlora.attach(alone, group=False)
+    attn = grouped.base_model.model.model.layers[0].self_attn
+    w = attn.tk_group_w
+    assert w.shape == (3 * 64, 64)
+    assert attn.k_proj.base_layer.weight.data_ptr() == w.data_ptr() + 64 * 64 * w.element_size()
+    calls = []
+    apply = fastlora.GroupLoRA.apply
+    monkeypatch.setattr(fastlora.GroupLoRA, "apply", lambda *a: calls.append(1) or apply(*a))
+    l0, g0 = loss_and_grads(plain, ids)
+    l1, g1 = loss_and_grads(grouped, ids)
+    l2, g2 = loss_and_grads(alone, ids)
+    assert len(calls) == 4  # one per group, per forward: each sibling took what the first one left
+    assert torch.allclose(l1, l0, rtol=1e-6, atol=1e-6) and torch.allclose(l2, l0, rtol=1e-6, atol=1e-6)
+    for n in g0:
+        assert rel(g1[n], g0[n]) < 1e-5 and rel(g2[n], g0[n]) < 1e-5, n
+
+
+def test_a_sibling_called_with_another_input_computes_alone():
+    model = lora_model()
+    fastlora.attach(model)
+    attn = model.base_model.model.model.layers[0].self_attn
+    x, y = torch.randn(2, 5, 64), torch.randn(2, 5, 64)
+    ref = copy.deepcopy(attn)
+    fastlora.detach(ref)
+    q = attn.q_proj(x)  # leaves k and v of x for their calls
+    assert torch.allclose(q, ref.q_proj(x), atol=1e-6)
+    assert torch.allclose(attn.k_proj(y), ref.k_proj(y), atol=1e-6)  # another input: not x's k
+    assert torch.allclose(attn.v_proj(x), ref.v_proj(x), atol=1e-6)
+    assert torch.allclose(attn.k_proj(x), ref.k_proj(x), atol=1e-6)
+
+
+def test_detach_restores_peft_and_merged_export_saves_every_weight(ids, tmp_path):
+    from safetensors.torch import load_file
+
+    from tunekit.model import merge_adapter
+
+    plain = lora_model()
+    fused = copy.deepcopy(plain)
+    fastlora.attach(fused)
+    want = plain(input_ids=ids).logits
+    merged = merge_adapter(fused, tmp_path / "m", dtype=torch.float32)
+    assert torch.allclose(merged(input_ids=ids).logits, want, atol=1e-4)
+    saved = load_file(tmp_path / "m" / "model.safetensors")
+    for n in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+        assert f"model.layers.1.self_attn.{n}.weight" in saved or f"model.layers.1.mlp.{n}.weight" in saved, n
+    assert not any("tk_" in n for n, _ in merged.named_buffers())
+    again = copy.deepcopy(plain)
+    fastlora.attach(again, fp8=False)
+    assert fastlora.detach(again) == 14
+    assert torch.allclose(again(input_ids=ids).logits, want, atol=1e-6)
+
+
 def test_fp8_frozen_weights_stay_within_fp8_rounding(ids):
     plain = lora_model()
     fused = copy.deepcopy(plain)
@@ -142,7 +200,9 @@ def test_fp8_scaled_mm_matches_the_emulation_and_bf16_loss():
     ids = torch.randint(0, 256, (4, 64), device="cuda")
     plain = lora_model("cuda", torch.bfloat16)
     fused = copy.deepcopy(plain)
-    fastlora.attach(fused, fp8=True)
+    fastlora.attach(fused, fp8=True)  # grouped siblings, as by default
+    alone = copy.deepcopy(plain)
+    fastlora.attach(alone, fp8=True, group=False)
     bf16 = copy.deepcopy(plain)
     fastlora.attach(bf16)
     l0, g0 = loss_and_grads(plain, ids, torch.bfloat16)
@@ -151,9 +211,11 @@ def test_fp8_scaled_mm_matches_the_emulation_and_bf16_loss():
     assert abs(float(lb - l0)) / float(l0) < 1e-3  # bf16: the same products, summed in another order
     for n in g0:
         assert rel(gb[n], g0[n]) < 0.03, n
-    assert abs(float(l1 - l0)) / float(l0) < 0.01
-    for n in g0:
-        assert rel(g1[n], g0[n]) < 0.1, n
+    la, ga = loss_and_grads(alone, ids, torch.bfloat16)
+    for loss, grads in ((l1, g1), (la, ga)):
+        assert abs(float(loss - l0)) / float(l0) < 0.01
+        for n in g0:
+            assert rel(grads[n], g0[n]) < 0.1, n
 
 
 @pytest.mark.slow

@@ -212,8 +212,11 @@ class TuneConfig:
     tunekit's own FP8 instead: each frozen base weight quantized once, not every step."""
     fast_lora: bool = False
     """LoRA only: each adapted linear layer as one autograd function (tunekit/fastlora.py) instead of peft's
-    four modules — the adapter's product added inside the matmuls, the frozen weight's gradient never formed;
-    with --fp8 the frozen weights are quantized to FP8 once. Same parameters and saved adapter as peft's."""
+    four modules — the frozen weight's gradient never formed; with --fp8 the frozen weights are quantized to
+    FP8 once. Same parameters and saved adapter as peft's."""
+    fast_lora_group: bool = True
+    """With --fast-lora: the layers that read one input (q/k/v, gate/up) as one matmul over their concatenated
+    weights, each way (not under FSDP2, whose sharding would split the concatenated weight)."""
 
     # ---- held-out loss ------------------------------------------------------------------------------
     eval_split: float = 0.0

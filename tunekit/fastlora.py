@@ -21,6 +21,14 @@ per input column for the input gradient. Activations (x, dy) are scaled per toke
 and the FP8 format is e4m3, as torchao's rowwise recipe. The LoRA branch stays in bf16. The cost: both FP8 copies
 stay in memory beside the bf16 weights (one byte a weight each), which merging and export still use.
 
+Sibling layers that read the same input (q/k/v of attention, gate/up of the MLP: `GROUPS`) are computed as one
+(`GroupLoRA`): their frozen weights concatenated (the members' weights become views of it, no copy), so the input
+is read, and in FP8 quantized, once, one matmul produces all the outputs and, in the backward, one matmul whose
+inner dimension runs over every output sums their input gradients (no separate adds). The adapters' A matrices
+are stacked and the B matrices form one block-diagonal matrix, so the LoRA branch is one matmul each way too.
+The model's code is unchanged: the first member called computes the group and leaves its siblings' outputs for
+their own calls with the same input tensor; a sibling called with another input computes alone.
+
 `attach` swaps the forward of each peft LoRA `Linear` (a plain `nn.Linear` base, one adapter, no dropout) for
 this one; the parameters, the saved adapter and `merge_and_unload` are peft's, unchanged. A merged or disabled
 adapter goes back to peft's forward. tests/test_fastlora.py checks the loss and gradients against peft's path:
@@ -98,10 +106,96 @@ class FrozenLoRA(torch.autograd.Function):
         return dx.reshape(ctx.shape), None, None, None, None, None, grad_a, grad_b, None
 
 
+class GroupLoRA(torch.autograd.Function):
+    """Several LoRA linears over one input as one: `x W^T + (x A^T) s B^T` with W the members' frozen weights
+    concatenated by rows ([sum out, in]), A their adapters' A stacked ([sum r, in]) and B theirs as one
+    block-diagonal matrix ([sum out, sum r]); one output [..., sum out]. FP8 as `FrozenLoRA` (`w8`, `w8t` are the
+    concatenated weight's two quantized layouts). `loras` is (A1, B1, A2, B2, ...)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, w8, w8_inv, w8t, w8t_inv, scale: float, *loras):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        a = torch.cat([t.to(x.dtype) for t in loras[0::2]])  # [sum r, in]
+        b = torch.block_diag(*[t.to(x.dtype) for t in loras[1::2]])  # [sum out, sum r]
+        if w8 is not None:
+            xq, x_inv = quantize(x2, -1)
+            out = mm8(xq, x_inv, w8.t(), w8_inv, x.dtype, fast_accum=True)
+        else:
+            out = x2 @ weight.to(x.dtype).t()
+        xs = (x2 @ a.t()) * scale
+        out = out + xs @ b.t()
+        ctx.save_for_backward(x2, xs, weight, w8t, w8t_inv, a, b, *loras)
+        ctx.scale, ctx.shape = scale, shape
+        return out.reshape(*shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, xs, weight, w8t, w8t_inv, a, b, *loras = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        m = (dy2 @ b) * ctx.scale  # [tokens, sum r]: block-diagonal b keeps each member's rows apart
+        if w8t is not None:
+            dq, d_inv = quantize(dy2, -1)
+            dx = mm8(dq, d_inv, w8t.t(), w8t_inv, dy.dtype, fast_accum=False)
+        else:
+            dx = dy2 @ weight.to(dy.dtype)  # sums the members' input gradients inside the matmul
+        dx = dx + m @ a
+        grad_a = m.t() @ x2  # [sum r, in]
+        grad_b = dy2.t() @ xs  # [sum out, sum r]: only the diagonal blocks are the members'
+        grads, row, col = [], 0, 0
+        for lora_a, lora_b in zip(loras[0::2], loras[1::2]):
+            out_f, r = lora_b.shape
+            grads += [grad_a[col:col + r].to(lora_a.dtype), grad_b[row:row + out_f, col:col + r].to(lora_b.dtype)]
+            row, col = row + out_f, col + r
+        return dx.reshape(ctx.shape), None, None, None, None, None, None, *grads
+
+
+class Group:
+    """Sibling LoRA linears of one module that read the same input (`GROUPS`), computed by `GroupLoRA`. Not a
+    module (the members are already the parent's); its tensors are non-persistent buffers of the parent."""
+
+    def __init__(self, parent, names: tuple[str, ...]):
+        self.parent, self.names = parent, names
+        self.members = [getattr(parent, n) for n in names]
+        self.sizes = [m.base_layer.out_features for m in self.members]
+        self.pending: dict | None = None  # {member index: output} left by the first member's call, and "x"
+
+    def usable(self) -> bool:
+        return all(not m.disable_adapters and not m.merged and m.active_adapters == self.members[0].active_adapters
+                   for m in self.members) and len(self.members[0].active_adapters) == 1
+
+    def output(self, member, x):
+        """`member`'s output for `x`: left by a sibling's call with this very tensor, else the group computed now
+        (its siblings' outputs kept for their calls)."""
+        i = self.members.index(member)
+        pending = self.pending
+        if pending is not None and pending["x"] is x and i in pending:
+            out = pending.pop(i)
+            if len(pending) == 1:
+                self.pending = None
+            return out
+        name = self.members[0].active_adapters[0]
+        p = self.parent
+        if torch.is_autocast_enabled(x.device.type):
+            x_in = x.to(torch.get_autocast_dtype(x.device.type))
+        else:
+            x_in = x
+        loras = [t for m in self.members for t in (m.lora_A[name].weight, m.lora_B[name].weight)]
+        out = GroupLoRA.apply(x_in, p.tk_group_w, getattr(p, "tk_group_w8", None), getattr(p, "tk_group_w8_inv", None),
+                              getattr(p, "tk_group_w8t", None), getattr(p, "tk_group_w8t_inv", None),
+                              self.members[0].scaling[name], *loras)
+        outs = out.split(self.sizes, dim=-1)
+        self.pending = {"x": x, **{j: o for j, o in enumerate(outs) if j != i}}
+        return outs[i]
+
+
 def _forward(self, x, *args, **kwargs):
     """A peft LoRA Linear's forward through `FrozenLoRA`; peft's own when merged, disabled or not this case."""
     if self.disable_adapters or self.merged or args or kwargs or len(self.active_adapters) != 1:
         return self._peft_forward(x, *args, **kwargs)
+    group = getattr(self, "tk_group", None)
+    if group is not None and group.usable():
+        return group.output(self, x)
     name = self.active_adapters[0]
     base = self.base_layer
     if torch.is_autocast_enabled(x.device.type):  # what autocast would have made of the inputs
@@ -126,11 +220,34 @@ def why_not(module) -> str:
     return ""
 
 
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # siblings that read one input
+
+
+def _groups(model, layers) -> list[Group]:
+    """The `GROUPS` found among `layers`: siblings of one parent, all fused, with one input size, dtype and
+    device, the same adapter and the same scale."""
+    fused = {id(m) for _, m in layers}
+    out = []
+    for parent in model.modules():
+        for names in GROUPS:
+            members = [getattr(parent, n, None) for n in names]
+            if not all(id(m) in fused for m in members):
+                continue
+            w = [m.base_layer.weight for m in members]
+            if len({(t.shape[1], t.dtype, t.device) for t in w}) == 1 and len(
+                    {(tuple(m.active_adapters), m.scaling.get(m.active_adapters[0])) for m in members}) == 1:
+                out.append(Group(parent, names))
+    return out
+
+
 @torch.no_grad()
-def attach(model, fp8: bool = False) -> str:
+def attach(model, fp8: bool = False, group: bool = True) -> str:
     """Give every peft LoRA Linear of `model` the fused forward (in place); with `fp8`, quantize each frozen
-    base weight to FP8 once, in both layouts (non-persistent buffers: not saved). Returns what it did. A layer
-    that cannot take it is an error naming it and why."""
+    base weight to FP8 once, in both layouts (non-persistent buffers: not saved); with `group`, compute the
+    `GROUPS` of siblings as one (their weights concatenated, the members' weights views of it: `detach` before
+    saving a merged model, as `model.merge_adapter` does). Attach after the model is on its device and before
+    FSDP2 shards it (with FSDP2, pass group=False). Returns what it did. A layer that cannot take it is an
+    error naming it and why."""
     from peft.tuners.lora.layer import Linear as LoraLinear
 
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, LoraLinear)]
@@ -141,18 +258,60 @@ def attach(model, fp8: bool = False) -> str:
             raise ValueError(f"fast_lora: layer {name}: {why}")
     if fp8 and not fp8_matmul_available(layers[0][1].base_layer.weight.device):
         raise RuntimeError("fast_lora with fp8: FP8 matmuls need a CUDA GPU of compute capability 8.9+ (Ada, Hopper)")
-    for _, m in layers:
-        base = m.base_layer
-        if fp8:
+    if fp8:
+        for _, m in layers:
+            base = m.base_layer
             if base.in_features % 16 or base.out_features % 16:
                 raise ValueError(f"fast_lora with fp8: {base} has a dimension that is not a multiple of 16")
-            w8, w8_inv = quantize(base.weight, -1)  # per output row: [out, in], [out, 1]
-            w8t, w8t_inv = quantize(base.weight, 0)  # per input column: [out, in], [1, in]
-            base.register_buffer("tk_w8", w8, persistent=False)
-            base.register_buffer("tk_w8_inv", w8_inv.t().contiguous(), persistent=False)  # [1, out]
-            base.register_buffer("tk_w8t", w8t.t().contiguous(), persistent=False)
-            base.register_buffer("tk_w8t_inv", w8t_inv, persistent=False)
+    groups = _groups(model, layers) if group else []
+    grouped = {id(m) for g in groups for m in g.members}
+    for g in groups:
+        weight = torch.cat([m.base_layer.weight for m in g.members])  # [sum out, in]
+        g.parent.register_buffer("tk_group_w", weight, persistent=False)
+        row = 0
+        for m in g.members:  # the members' weights become views of the concatenated one: no second copy
+            w = m.base_layer.weight
+            m.base_layer.weight = torch.nn.Parameter(weight[row:row + w.shape[0]], requires_grad=False)
+            row += w.shape[0]
+            m.tk_group = g
+        if fp8:
+            _register_fp8(g.parent, weight, "tk_group_")
+    for _, m in layers:
+        if fp8 and id(m) not in grouped:
+            _register_fp8(m.base_layer, m.base_layer.weight, "tk_")
         m._peft_forward = m.forward
         m.forward = types.MethodType(_forward, m)
-    kind = "FP8 (e4m3, per-row scales, quantized once)" if fp8 else "bf16"
-    return f"fused LoRA in {len(layers)} linear layers, frozen base weights {kind}"
+    kind = "FP8 (e4m3, per-row scales, quantized once)" if fp8 else str(layers[0][1].base_layer.weight.dtype)[6:]
+    grouped_note = f", {len(groups)} groups of siblings computed as one" if groups else ""
+    return f"fused LoRA in {len(layers)} linear layers{grouped_note}, frozen base weights {kind}"
+
+
+def _register_fp8(module, weight, prefix: str) -> None:
+    """`weight` [out, in] in FP8 on `module`, as non-persistent buffers: per output row for the forward
+    (`w8` [out, in], factors [1, out]) and per input column, transposed, for the input gradient (`w8t`
+    [in, out], factors [1, in])."""
+    w8, w8_inv = quantize(weight, -1)
+    w8t, w8t_inv = quantize(weight, 0)
+    module.register_buffer(f"{prefix}w8", w8, persistent=False)
+    module.register_buffer(f"{prefix}w8_inv", w8_inv.t().contiguous(), persistent=False)
+    module.register_buffer(f"{prefix}w8t", w8t.t().contiguous(), persistent=False)
+    module.register_buffer(f"{prefix}w8t_inv", w8t_inv, persistent=False)
+
+
+@torch.no_grad()
+def detach(model) -> int:
+    """Undo `attach`: peft's forward back on every layer, each grouped member's weight its own tensor again
+    (a merged model saves each weight once), the FP8 and concatenated buffers freed. Returns the layers
+    restored."""
+    n = 0
+    for module in model.modules():
+        for name in [b for b, _ in module.named_buffers(recurse=False) if b.startswith("tk_")]:
+            delattr(module, name)
+        if "_peft_forward" in vars(module):
+            del module.forward, module._peft_forward  # the class's forward again
+            n += 1
+        if "tk_group" in vars(module):
+            del module.tk_group
+            w = module.base_layer.weight
+            module.base_layer.weight = torch.nn.Parameter(w.detach().clone(), requires_grad=w.requires_grad)
+    return n

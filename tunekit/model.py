@@ -351,6 +351,9 @@ def merge_adapter(model, out_dir: str | os.PathLike | None = None, dtype: torch.
     if any(hasattr(p, "quant_state") for p in model.parameters()):
         raise ValueError("merge_adapter: the base model is 4-bit; load it in bf16 (build_model / from_pretrained "
                          "without quantization), attach the adapter with load_adapter, then merge.")
+    from tunekit import fastlora
+
+    fastlora.detach(model)  # grouped layers' weights share one tensor: each its own again, so each saves once
     merged = cast_weights(model.merge_and_unload(), dtype)
     if out_dir is not None:
         save_adapter(merged, out_dir)

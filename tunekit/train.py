@@ -190,7 +190,9 @@ def build_training_model(cfg: TuneConfig, vocab_size: int, device: str, dtype: t
     if cfg.fast_lora:  # with fp8: the frozen base weights in FP8, quantized once
         from tunekit import fastlora
 
-        kernels.append(fastlora.attach(model, fp8=cfg.fp8))
+        # FSDP2 shards each layer's weight on its own; a group's concatenated weight would stay whole on each GPU
+        group = cfg.fast_lora_group and distributed.choose_parallel(cfg.parallel, cfg.method) != "fsdp"
+        kernels.append(fastlora.attach(model, fp8=cfg.fp8, group=group))
     elif cfg.fp8:  # the base layers (LoRA's own adapters stay bf16/fp32)
         kernels.append(f"float8 rowwise in {speedups.apply_fp8(model)} linear layers")
     if cfg.grad_ckpt:
