@@ -61,8 +61,8 @@ def test_grouped_siblings_match_peft_and_each_layer_alone(ids, monkeypatch):
     the same loss and gradients; the members' weights are views of the one concatenated weight."""
     plain = lora_model()
     grouped, alone = copy.deepcopy(plain), copy.deepcopy(plain)
-    assert "4 groups of siblings" in fastlora.attach(grouped)
-    assert "groups" not in fastlora.attach(alone, group=False)
+    assert "4 groups of siblings" in fastlora.attach(grouped, group=True)
+    assert "groups" not in fastlora.attach(alone)  # the default: each layer alone
     attn = grouped.base_model.model.model.layers[0].self_attn
     w = attn.tk_group_w
     assert w.shape == (3 * 64, 64)
@@ -81,7 +81,7 @@ def test_grouped_siblings_match_peft_and_each_layer_alone(ids, monkeypatch):
 
 def test_a_sibling_called_with_another_input_computes_alone():
     model = lora_model()
-    fastlora.attach(model)
+    fastlora.attach(model, group=True)
     attn = model.base_model.model.model.layers[0].self_attn
     x, y = torch.randn(2, 5, 64), torch.randn(2, 5, 64)
     ref = copy.deepcopy(attn)
@@ -100,7 +100,7 @@ def test_detach_restores_peft_and_merged_export_saves_every_weight(ids, tmp_path
 
     plain = lora_model()
     fused = copy.deepcopy(plain)
-    fastlora.attach(fused)
+    fastlora.attach(fused, group=True)
     want = plain(input_ids=ids).logits
     merged = merge_adapter(fused, tmp_path / "m", dtype=torch.float32)
     assert torch.allclose(merged(input_ids=ids).logits, want, atol=1e-4)
@@ -109,16 +109,17 @@ def test_detach_restores_peft_and_merged_export_saves_every_weight(ids, tmp_path
         assert f"model.layers.1.self_attn.{n}.weight" in saved or f"model.layers.1.mlp.{n}.weight" in saved, n
     assert not any("tk_" in n for n, _ in merged.named_buffers())
     again = copy.deepcopy(plain)
-    fastlora.attach(again, fp8=False)
+    fastlora.attach(again, group=True)
     assert fastlora.detach(again) == 14
     assert torch.allclose(again(input_ids=ids).logits, want, atol=1e-6)
 
 
-def test_fp8_frozen_weights_stay_within_fp8_rounding(ids):
+@pytest.mark.parametrize("group", [False, True])
+def test_fp8_frozen_weights_stay_within_fp8_rounding(ids, group):
     plain = lora_model()
     fused = copy.deepcopy(plain)
     before = set(fused.state_dict())
-    fused_fp8 = _attach_fp8_cpu(fused)
+    fused_fp8 = _attach_fp8_cpu(fused, group)
     l0, g0 = loss_and_grads(plain, ids)
     l1, g1 = loss_and_grads(fused_fp8, ids)
     # e4m3 keeps 3 mantissa bits (relative rounding up to 1/16); over sums of many products it averages out
@@ -128,12 +129,12 @@ def test_fp8_frozen_weights_stay_within_fp8_rounding(ids):
     assert set(fused_fp8.state_dict()) == before  # the FP8 copies are not part of what is saved
 
 
-def _attach_fp8_cpu(model):
+def _attach_fp8_cpu(model, group=False):
     """`attach(fp8=True)` on CPU, where no FP8 matmul exists: the same quantized buffers, `mm8` emulating."""
     real = fastlora.fp8_matmul_available
     fastlora.fp8_matmul_available = lambda device: True
     try:
-        fastlora.attach(model, fp8=True)
+        fastlora.attach(model, fp8=True, group=group)
     finally:
         fastlora.fp8_matmul_available = real
     return model
@@ -200,9 +201,9 @@ def test_fp8_scaled_mm_matches_the_emulation_and_bf16_loss():
     ids = torch.randint(0, 256, (4, 64), device="cuda")
     plain = lora_model("cuda", torch.bfloat16)
     fused = copy.deepcopy(plain)
-    fastlora.attach(fused, fp8=True)  # grouped siblings, as by default
+    fastlora.attach(fused, fp8=True, group=True)
     alone = copy.deepcopy(plain)
-    fastlora.attach(alone, fp8=True, group=False)
+    fastlora.attach(alone, fp8=True)
     bf16 = copy.deepcopy(plain)
     fastlora.attach(bf16)
     l0, g0 = loss_and_grads(plain, ids, torch.bfloat16)
@@ -219,14 +220,15 @@ def test_fp8_scaled_mm_matches_the_emulation_and_bf16_loss():
 
 
 @pytest.mark.slow
-def test_fused_lora_compiles_regionally_to_the_same_numbers(ids):
+@pytest.mark.parametrize("group", [False, True])
+def test_fused_lora_compiles_regionally_to_the_same_numbers(ids, group):
     """Each decoder block compiled by inductor (on CPU) with the fused forward inside: the loss and LoRA
     gradients of peft's eager path within fp32 rounding (inductor reorders sums)."""
     from tunekit import speedups, train
 
     plain = lora_model()
     fused = copy.deepcopy(plain)
-    fastlora.attach(fused)
+    fastlora.attach(fused, group=group)
     batch = {"input_ids": ids, "labels": ids.clone()}
     out = []
     for model, mode in ((plain, "none"), (fused, "regional")):
