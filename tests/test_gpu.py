@@ -114,6 +114,22 @@ def test_offloads_keep_gradients_and_free_memory(tmp_path):
     assert on_gpu[2] - offloaded[2] > 0.8 * saved_inputs, (on_gpu[2], offloaded[2])
 
 
+def test_host_offload_moves_large_saved_tensors_to_pinned_memory_and_back():
+    x = torch.randn(1024, 1024, device="cuda", requires_grad=True)
+    small = torch.randn(16, device="cuda", requires_grad=True)
+    packed = []
+    pack = memory._pack_to_host
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(pack(t)) or packed[-1],
+                                                  memory._unpack_from_host):
+        y = (x.sin() * x).sum() + (small * small).sum()
+    y.backward()
+    big = [t for device, t in packed if device is not None]
+    assert big and all(t.device.type == "cpu" and t.is_pinned() for t in big)
+    assert all(t.is_cuda for device, t in packed if device is None)  # the 16 floats stayed
+    torch.testing.assert_close(x.grad, x.cos() * x + x.sin())
+    torch.testing.assert_close(small.grad, 2 * small)
+
+
 def test_peft_input_cast_changes_memory_not_numbers(tmp_path):
     cfg = config.tiny(**MID, device="cuda", out_dir=str(tmp_path))
     cast = step_result(config.tiny(**{**config.config_dict(cfg), "lora_input_cast": True}))

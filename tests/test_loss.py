@@ -101,7 +101,7 @@ def test_offloaded_checkpointing_keeps_gradients(tokenizer, batch):
             value = train.micro_step(model, b, train.count_targets([b]), None, "chunked")
         model_grads.append((value, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}, packed))
     (_, _, packed_on_gpu), (l1, g1, packed_offloaded) = model_grads
-    # Without offload the block inputs go through the outer hooks; with it, save_on_cpu takes them first.
+    # Without offload the block inputs go through the outer hooks; with it, HostOffload takes them first.
     hidden_shape = torch.Size([*batch["input_ids"].shape, SMALL_ARCH["hidden_size"]])
     assert packed_on_gpu.count(hidden_shape) > packed_offloaded.count(hidden_shape)
     torch.testing.assert_close(l1, l0)

@@ -31,8 +31,8 @@ def apply_gradient_checkpointing(model: torch.nn.Module, offload: bool = False) 
     """Turn on non-reentrant checkpointing of every decoder block, and switch the model to train mode.
 
     `offload=True` moves what checkpointing keeps — each block's input — to pinned CPU memory in forward
-    and back in backward (PyTorch's `save_on_cpu` around each block's checkpoint): layers x tokens x hidden
-    x 2 bytes less GPU memory, for a device-to-host and a host-to-device copy of each."""
+    and back in backward (`HostOffload` around each block's checkpoint): layers x tokens x hidden x 2 bytes
+    less GPU memory, for a device-to-host and a host-to-device copy of each, both queued without waiting."""
     from torch.utils.checkpoint import checkpoint
 
     base = base_model(model)
@@ -45,7 +45,7 @@ def apply_gradient_checkpointing(model: torch.nn.Module, offload: bool = False) 
         def offloaded(function, *args, **kw):
             # The checkpoint saves its inputs through the hooks active outside it (these); what the block
             # saves inside is dropped by the checkpoint's own hooks and recomputed.
-            with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+            with HostOffload():
                 return checkpoint(function, *args, use_reentrant=False, **kw)
 
         for module in base.modules():
@@ -53,6 +53,37 @@ def apply_gradient_checkpointing(model: torch.nn.Module, offload: bool = False) 
                 module._gradient_checkpointing_func = offloaded
     base.config.use_cache = False  # a KV cache is useless in training and clashes with recomputation
     model.train()
+
+
+OFFLOAD_MIN_BYTES = 1 << 20  # smaller saved tensors stay on the GPU (the rotary tables every block shares)
+
+
+class HostOffload(torch.autograd.graph.saved_tensors_hooks):
+    """Saved GPU tensors go to pinned CPU memory when saved and come back when the backward needs them.
+
+    PyTorch's `save_on_cpu(pin_memory=True)` does the same, but its device-to-host copy blocks the host until
+    the GPU has finished everything queued before it, once for every tensor saved: the GPU then idles while the
+    host launches the next kernels (the whole step at batch 1 is that short). Here both copies are queued on
+    the current stream and nobody waits: the stream orders the copy after the kernel that wrote the tensor and
+    before any later reuse of its memory, and PyTorch's pinned-memory cache keeps a host buffer until the
+    copies that use it have run. Tensors under `OFFLOAD_MIN_BYTES`, and tensors not on a CUDA device, stay
+    where they are."""
+
+    def __init__(self):
+        super().__init__(_pack_to_host, _unpack_from_host)
+
+
+def _pack_to_host(t: torch.Tensor):
+    if t.device.type != "cuda" or t.numel() * t.element_size() < OFFLOAD_MIN_BYTES:
+        return None, t
+    host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return t.device, host
+
+
+def _unpack_from_host(packed):
+    device, t = packed
+    return t if device is None else t.to(device, non_blocking=True)
 
 
 class HostEmbedding(torch.nn.Module):
