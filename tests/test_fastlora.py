@@ -129,6 +129,19 @@ def test_fp8_frozen_weights_stay_within_fp8_rounding(ids, group):
     assert set(fused_fp8.state_dict()) == before  # the FP8 copies are not part of what is saved
 
 
+def test_lora_product_as_bmm_gives_the_same_numbers(ids, monkeypatch):
+    """`LORA_BMM` (FP8 only) changes which kernel computes the LoRA products, not their values."""
+    model = _attach_fp8_cpu(lora_model())
+    out = []
+    for flag in (False, True):
+        monkeypatch.setattr(fastlora, "LORA_BMM", flag)
+        out.append(loss_and_grads(model, ids))
+    (l0, g0), (l1, g1) = out
+    torch.testing.assert_close(l1, l0)
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-7, msg=n)
+
+
 def _attach_fp8_cpu(model, group=False):
     """`attach(fp8=True)` on CPU, where no FP8 matmul exists: the same quantized buffers, `mm8` emulating."""
     real = fastlora.fp8_matmul_available

@@ -57,6 +57,9 @@ def test_entry_point_names_the_notebook_or_the_command(monkeypatch):
     monkeypatch.setattr("sys.argv", ["/x/bin/tunekit", "bench", "--preset", "tiny"])
     monkeypatch.delenv("TUNEKIT_NOTEBOOK", raising=False)
     assert results.entry_point() == "tunekit bench --preset tiny"
+    monkeypatch.setenv("TUNEKIT_LORA_BMM", "0")  # changes the kernels: part of the command
+    assert results.entry_point() == "TUNEKIT_LORA_BMM=0 tunekit bench --preset tiny"
+    monkeypatch.delenv("TUNEKIT_LORA_BMM")
     monkeypatch.setenv("TUNEKIT_NOTEBOOK", "notebooks/02_x.ipynb")
     assert results.entry_point() == ("notebook notebooks/02_x.ipynb (python -m tunekit.notebook "
                                      "notebooks/02_x.ipynb): tunekit bench --preset tiny")

@@ -40,6 +40,7 @@ equal in fp32, within FP8's rounding with FP8.
 
 from __future__ import annotations
 
+import os
 import types
 
 import torch
@@ -71,6 +72,22 @@ def mm8(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tens
     return ((a.float() * a_inv) @ (b.float() * b_inv)).to(out_dtype)
 
 
+# With FP8 base weights the LoRA products are computed as a batch-of-one `bmm`: as a plain `mm` inductor folds
+# the addition that follows into `addmm` whenever a user of the sum is not elementwise (attention's inputs, the
+# views before RoPE), and cuBLAS's `addmm` first copies the full-size addend (the FP8 matmul's output) to its
+# output; as `bmm` the addition stays elementwise and fuses into its neighbours. Same numbers either way. (With
+# bf16 weights the base product is itself an `mm`, so the fold would only move onto it.) False, or the
+# environment's TUNEKIT_LORA_BMM=0 (to time both in one session): plain `mm`.
+LORA_BMM = os.environ.get("TUNEKIT_LORA_BMM", "1") != "0"
+
+
+def add_lora(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fp8: bool) -> torch.Tensor:
+    """out + a @ b, a LoRA product (one side of rank r) added to the base product; see `LORA_BMM`."""
+    if fp8 and LORA_BMM:
+        return out + torch.bmm(a.unsqueeze(0), b.unsqueeze(0)).squeeze(0)
+    return out + a @ b
+
+
 class FrozenLoRA(torch.autograd.Function):
     """`x W^T + (x A^T) B^T * scale` with W frozen; W in FP8 when `w8` (W scaled per output row, [out, in],
     factors [1, out]) and `w8t` (W scaled per input column, stored transposed, [in, out], factors [1, in]) are
@@ -87,7 +104,7 @@ class FrozenLoRA(torch.autograd.Function):
         else:
             out = x2 @ weight.to(x.dtype).t()
         xs = (x2 @ a.t()) * scale  # [tokens, r]: scaled here, where it is small
-        out = out + xs @ b.t()  # a plain add: under compile it fuses into the next elementwise kernel
+        out = add_lora(out, xs, b.t(), w8 is not None)  # under compile the add fuses into the next kernel
         ctx.save_for_backward(x2, xs, weight, w8t, w8t_inv, lora_a, lora_b)
         ctx.scale, ctx.shape = scale, shape
         return out.reshape(*shape[:-1], out.shape[-1])
@@ -103,7 +120,7 @@ class FrozenLoRA(torch.autograd.Function):
             dx = mm8(dq, d_inv, w8t.t(), w8t_inv, dy.dtype, fast_accum=False)
         else:
             dx = dy2 @ weight.to(dy.dtype)
-        dx = dx + m @ a
+        dx = add_lora(dx, m, a, w8t is not None)
         grad_a = (m.t() @ x2).to(lora_a.dtype)
         grad_b = (dy2.t() @ xs).to(lora_b.dtype)
         return dx.reshape(ctx.shape), None, None, None, None, None, grad_a, grad_b, None
@@ -127,7 +144,7 @@ class GroupLoRA(torch.autograd.Function):
         else:
             out = x2 @ weight.to(x.dtype).t()
         xs = (x2 @ a.t()) * scale
-        out = out + xs @ b.t()
+        out = add_lora(out, xs, b.t(), w8 is not None)
         ctx.save_for_backward(x2, xs, weight, w8t, w8t_inv, a, b, *loras)
         ctx.scale, ctx.shape = scale, shape
         return out.reshape(*shape[:-1], out.shape[-1])
@@ -142,7 +159,7 @@ class GroupLoRA(torch.autograd.Function):
             dx = mm8(dq, d_inv, w8t.t(), w8t_inv, dy.dtype, fast_accum=False)
         else:
             dx = dy2 @ weight.to(dy.dtype)  # sums the members' input gradients inside the matmul
-        dx = dx + m @ a
+        dx = add_lora(dx, m, a, w8t is not None)
         grad_a = m.t() @ x2  # [sum r, in]
         grad_b = dy2.t() @ xs  # [sum out, sum r]: only the diagonal blocks are the members'
         grads, row, col = [], 0, 0

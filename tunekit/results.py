@@ -73,10 +73,15 @@ def git_state() -> tuple[str | None, bool | None]:
     return None, None
 
 
+BEHAVIOUR_ENV = ("TUNEKIT_LORA_BMM",)  # environment variables that change a run's arithmetic or kernels
+
+
 def entry_point() -> str:
     """What was run: the notebook being executed, the `tunekit` command line, or the Python command."""
     argv0 = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
-    command = "tunekit " + " ".join(sys.argv[1:]) if argv0 in ("tunekit", "cli.py") else None
+    # the command, with the variables that change what the code does (`BEHAVIOUR_ENV`) in front
+    command = " ".join([*(f"{k}={os.environ[k]}" for k in BEHAVIOUR_ENV if k in os.environ), "tunekit",
+                        *sys.argv[1:]]) if argv0 in ("tunekit", "cli.py") else None
     if nb := os.environ.get("TUNEKIT_NOTEBOOK"):  # set by tunekit.notebook.execute, inherited by its children
         return f"notebook {nb} (python -m tunekit.notebook {nb})" + (f": {command}" if command else "")
     if command:
