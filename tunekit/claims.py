@@ -424,10 +424,12 @@ SPEED_TARGETS = {
 }
 # where each target is measured: a `bench --compare` result (its tunekit row) or, for FP8, the fastest of the
 # FP8 step benches (Unsloth has no FP8 LoRA row to run against)
-SPEED_SOURCES = {"lora": ("s14_compare_lora",), "fp8": ("s14_lora_fast2_fp8", "s14_lora_fast_fp8",
-                                                         "s14_lora_fast3_fp8", "s14_lora_group_fp8"),
-                 "qlora": ("s14_compare_qlora",), "qlora_ckpt": ("s14_compare_qlora_ckpt",),
-                 "qlora_b1": ("s14_compare_qlora_b1", "s14_compare_qlora_b1_compiled")}
+SPEED_SOURCES = {"lora": ("s14_compare_lora",),
+                 "fp8": ("s14_lora_fast2_fp8", "s14_lora_fast_fp8", "s14_lora_fast3_fp8", "s14_lora_group_fp8",
+                         "s14_lora_fast4_fp8", "s14_lora_group4_fp8"),
+                 "qlora": ("s14_compare_qlora",),
+                 "qlora_ckpt": ("s14_compare_qlora_ckpt", "s14_compare_qlora_ckpt_offload"),
+                 "qlora_b1": ("s14_compare_qlora_b1", "s14_compare_qlora_b1_compiled", "s14_compare_qlora_b1_async")}
 
 
 def _stack(r: dict, name: str) -> dict | None:
@@ -452,7 +454,11 @@ def speed_push(rs: dict[str, dict]) -> Verdict:
         if not found:
             parts.append(f"{what}: target {want}, unmeasured")
             continue
-        r = max(found, key=lambda x: x["tokens_per_s"] or 0)
+        def rank(x: dict) -> tuple[bool, float]:  # within the memory bound first, then the fastest
+            row = _stack(x, "tunekit") or x
+            return gb is None or row["peak_memory_gb"] <= gb, row["tokens_per_s"] or 0
+
+        r = max(found, key=rank)
         files.append(r["name"])
         ours, theirs = _stack(r, "tunekit") or r, _stack(r, "unsloth")
         ok = ours["tokens_per_s"] >= tps and (gb is None or ours["peak_memory_gb"] <= gb)
@@ -488,7 +494,9 @@ def speed_table(rs: dict[str, dict]) -> str:
              "| loss agreement | commit |"), "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted((r for r in rs.values() if "stacks" in r), key=lambda r: r["name"]):
         c = r["config"]
-        setup = f"{c['method']} b{c['batch_size']}x{c['max_length']}" + (", ckpt" if c["grad_ckpt"] else "")
+        setup = f"{c['method']} b{c['batch_size']}x{c['max_length']}" + (", ckpt" if c["grad_ckpt"] else "") + (
+            " offloaded" if c.get("grad_ckpt_offload") else "") + (
+            f", tunekit {c['compile']} compile" if c.get("compile", "none") != "none" else "")
 
         def cell(stack: str, r: dict = r) -> str:
             x = next((x for x in r["stacks"] if x["stack"] == stack), None)
