@@ -454,7 +454,7 @@ def speed_push(rs: dict[str, dict]) -> Verdict:
         if not found:
             parts.append(f"{what}: target {want}, unmeasured")
             continue
-        def rank(x: dict) -> tuple[bool, float]:  # within the memory bound first, then the fastest
+        def rank(x: dict, gb: float | None = gb) -> tuple[bool, float]:  # within the memory bound first, then fastest
             row = _stack(x, "tunekit") or x
             return gb is None or row["peak_memory_gb"] <= gb, row["tokens_per_s"] or 0
 
