@@ -93,6 +93,19 @@ def test_a_sibling_called_with_another_input_computes_alone():
     assert torch.allclose(attn.k_proj(x), ref.k_proj(x), atol=1e-6)
 
 
+@pytest.mark.slow
+def test_a_grouped_block_compiles_as_one_graph():
+    """The siblings' hand-off (the first call leaves the others' outputs) traces without a graph break."""
+    model = lora_model()
+    fastlora.attach(model, group=True)
+    layer = model.base_model.model.model.layers[0]
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    rope = model.base_model.model.model.rotary_emb(x, torch.arange(16)[None])
+    out = torch.compile(layer, fullgraph=True)(x, position_embeddings=rope)
+    (out[0] if isinstance(out, tuple) else out).sum().backward()
+    assert x.grad is not None and layer.self_attn.q_proj.tk_group.pending is None
+
+
 def test_detach_restores_peft_and_merged_export_saves_every_weight(ids, tmp_path):
     from safetensors.torch import load_file
 

@@ -175,7 +175,7 @@ class Group:
     module (the members are already the parent's); its tensors are non-persistent buffers of the parent."""
 
     def __init__(self, parent, names: tuple[str, ...]):
-        self.parent, self.names = parent, names
+        self.parent = parent
         self.members = [getattr(parent, n) for n in names]
         self.sizes = [m.base_layer.out_features for m in self.members]
         self.pending: dict | None = None  # {member index: output} left by the first member's call, and "x"
