@@ -437,12 +437,9 @@ def _stack(r: dict, name: str) -> dict | None:
 
 
 def _vs(a: dict | None, b: dict | None) -> str:
-    """'1.50x', or '1.01x, same within noise (±3%)' when the ratio is inside the larger step-time spread of the
-    two stacks' rows (they ran in one comparison: the run-to-run noise of `results.compare` is not known)."""
-    if not a or not b:
-        return "-"
-    ratio, band = a["tokens_per_s"] / b["tokens_per_s"], max(a.get("step_time_spread") or 0, b.get("step_time_spread") or 0)
-    return f"{ratio:.2f}x, same within noise (±{band:.0%})" if abs(ratio - 1) <= band else f"{ratio:.2f}x"
+    """`results.compare`'s words for two stacks' rows of one comparison ('1.50x', or '1.01x, same within noise
+    (±3%)' inside their step-time spreads), '-' when a row is missing."""
+    return compare(a, b)[1] if a and b else "-"
 
 
 def speed_push(rs: dict[str, dict]) -> Verdict:

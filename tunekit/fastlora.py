@@ -88,6 +88,35 @@ def add_lora(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fp8: bool) -> 
     return out + a @ b
 
 
+def _lora_forward(ctx, x, weight, w8, w8_inv, a, b, scale: float):
+    """`x W^T + (x A^T) s B^T` for `FrozenLoRA` and `GroupLoRA` (`a`, `b` already in x's dtype): (the output,
+    x as [tokens, in], xs = (x A^T) s), the shapes kept on `ctx`; each function saves what its backward needs."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if w8 is not None:
+        xq, x_inv = quantize(x2, -1)
+        out = mm8(xq, x_inv, w8.t(), w8_inv, x.dtype, fast_accum=True)
+    else:
+        out = x2 @ weight.to(x.dtype).t()
+    xs = (x2 @ a.t()) * scale  # [tokens, r]: scaled here, where it is small
+    out = add_lora(out, xs, b.t(), w8 is not None)  # under compile the add fuses into the next kernel
+    ctx.scale, ctx.shape = scale, shape
+    return out.reshape(*shape[:-1], out.shape[-1]), x2, xs
+
+
+def _lora_backward(ctx, dy, x2, xs, weight, w8t, w8t_inv, a, b):
+    """(dx, dA, dB) of `_lora_forward`, in dy's dtype (`a`, `b` in it too)."""
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    m = (dy2 @ b) * ctx.scale  # [tokens, r]
+    if w8t is not None:
+        dq, d_inv = quantize(dy2, -1)
+        dx = mm8(dq, d_inv, w8t.t(), w8t_inv, dy.dtype, fast_accum=False)
+    else:
+        dx = dy2 @ weight.to(dy.dtype)
+    dx = add_lora(dx, m, a, w8t is not None)
+    return dx.reshape(ctx.shape), m.t() @ x2, dy2.t() @ xs
+
+
 class FrozenLoRA(torch.autograd.Function):
     """`x W^T + (x A^T) B^T * scale` with W frozen; W in FP8 when `w8` (W scaled per output row, [out, in],
     factors [1, out]) and `w8t` (W scaled per input column, stored transposed, [in, out], factors [1, in]) are
@@ -95,79 +124,48 @@ class FrozenLoRA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, w8, w8_inv, w8t, w8t_inv, lora_a, lora_b, scale: float):
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        a, b = lora_a.to(x.dtype), lora_b.to(x.dtype)
-        if w8 is not None:
-            xq, x_inv = quantize(x2, -1)
-            out = mm8(xq, x_inv, w8.t(), w8_inv, x.dtype, fast_accum=True)
-        else:
-            out = x2 @ weight.to(x.dtype).t()
-        xs = (x2 @ a.t()) * scale  # [tokens, r]: scaled here, where it is small
-        out = add_lora(out, xs, b.t(), w8 is not None)  # under compile the add fuses into the next kernel
+        out, x2, xs = _lora_forward(ctx, x, weight, w8, w8_inv, lora_a.to(x.dtype), lora_b.to(x.dtype), scale)
         ctx.save_for_backward(x2, xs, weight, w8t, w8t_inv, lora_a, lora_b)
-        ctx.scale, ctx.shape = scale, shape
-        return out.reshape(*shape[:-1], out.shape[-1])
+        return out
 
     @staticmethod
     def backward(ctx, dy):
         x2, xs, weight, w8t, w8t_inv, lora_a, lora_b = ctx.saved_tensors
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        a, b = lora_a.to(dy.dtype), lora_b.to(dy.dtype)
-        m = (dy2 @ b) * ctx.scale
-        if w8t is not None:
-            dq, d_inv = quantize(dy2, -1)
-            dx = mm8(dq, d_inv, w8t.t(), w8t_inv, dy.dtype, fast_accum=False)
-        else:
-            dx = dy2 @ weight.to(dy.dtype)
-        dx = add_lora(dx, m, a, w8t is not None)
-        grad_a = (m.t() @ x2).to(lora_a.dtype)
-        grad_b = (dy2.t() @ xs).to(lora_b.dtype)
-        return dx.reshape(ctx.shape), None, None, None, None, None, grad_a, grad_b, None
+        dx, grad_a, grad_b = _lora_backward(ctx, dy, x2, xs, weight, w8t, w8t_inv, lora_a.to(dy.dtype),
+                                            lora_b.to(dy.dtype))
+        return dx, None, None, None, None, None, grad_a.to(lora_a.dtype), grad_b.to(lora_b.dtype), None
 
 
 class GroupLoRA(torch.autograd.Function):
     """Several LoRA linears over one input as one: `x W^T + (x A^T) s B^T` with W the members' frozen weights
     concatenated by rows ([sum out, in]), A their adapters' A stacked ([sum r, in]) and B theirs as one
     block-diagonal matrix ([sum out, sum r]); one output [..., sum out]. FP8 as `FrozenLoRA` (`w8`, `w8t` are the
-    concatenated weight's two quantized layouts). `loras` is (A1, B1, A2, B2, ...)."""
+    concatenated weight's two quantized layouts). `loras` is (A1, B1, A2, B2, ...). In the backward the input
+    gradients of all members are summed inside one matmul, and block-diagonal B keeps each member's rows apart."""
 
     @staticmethod
     def forward(ctx, x, weight, w8, w8_inv, w8t, w8t_inv, scale: float, *loras):
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
         a = torch.cat([t.to(x.dtype) for t in loras[0::2]])  # [sum r, in]
         b = torch.block_diag(*[t.to(x.dtype) for t in loras[1::2]])  # [sum out, sum r]
-        if w8 is not None:
-            xq, x_inv = quantize(x2, -1)
-            out = mm8(xq, x_inv, w8.t(), w8_inv, x.dtype, fast_accum=True)
-        else:
-            out = x2 @ weight.to(x.dtype).t()
-        xs = (x2 @ a.t()) * scale
-        out = add_lora(out, xs, b.t(), w8 is not None)
+        out, x2, xs = _lora_forward(ctx, x, weight, w8, w8_inv, a, b, scale)
         ctx.save_for_backward(x2, xs, weight, w8t, w8t_inv, a, b, *loras)
-        ctx.scale, ctx.shape = scale, shape
-        return out.reshape(*shape[:-1], out.shape[-1])
+        return out
 
     @staticmethod
     def backward(ctx, dy):
         x2, xs, weight, w8t, w8t_inv, a, b, *loras = ctx.saved_tensors
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        m = (dy2 @ b) * ctx.scale  # [tokens, sum r]: block-diagonal b keeps each member's rows apart
-        if w8t is not None:
-            dq, d_inv = quantize(dy2, -1)
-            dx = mm8(dq, d_inv, w8t.t(), w8t_inv, dy.dtype, fast_accum=False)
-        else:
-            dx = dy2 @ weight.to(dy.dtype)  # sums the members' input gradients inside the matmul
-        dx = add_lora(dx, m, a, w8t is not None)
-        grad_a = m.t() @ x2  # [sum r, in]
-        grad_b = dy2.t() @ xs  # [sum out, sum r]: only the diagonal blocks are the members'
-        grads, row, col = [], 0, 0
+        dx, grad_a, grad_b = _lora_backward(ctx, dy, x2, xs, weight, w8t, w8t_inv, a, b)
+        grads, row, col = [], 0, 0  # grad_b [sum out, sum r]: only its diagonal blocks are the members'
         for lora_a, lora_b in zip(loras[0::2], loras[1::2]):
             out_f, r = lora_b.shape
             grads += [grad_a[col:col + r].to(lora_a.dtype), grad_b[row:row + out_f, col:col + r].to(lora_b.dtype)]
             row, col = row + out_f, col + r
-        return dx.reshape(ctx.shape), None, None, None, None, None, None, *grads
+        return dx, None, None, None, None, None, None, *grads
+
+
+def _autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """What autocast would have made of a linear layer's input."""
+    return x.to(torch.get_autocast_dtype(x.device.type)) if torch.is_autocast_enabled(x.device.type) else x
 
 
 class Group:
@@ -196,12 +194,8 @@ class Group:
             return out
         name = self.members[0].active_adapters[0]
         p = self.parent
-        if torch.is_autocast_enabled(x.device.type):
-            x_in = x.to(torch.get_autocast_dtype(x.device.type))
-        else:
-            x_in = x
         loras = [t for m in self.members for t in (m.lora_A[name].weight, m.lora_B[name].weight)]
-        out = GroupLoRA.apply(x_in, p.tk_group_w, getattr(p, "tk_group_w8", None), getattr(p, "tk_group_w8_inv", None),
+        out = GroupLoRA.apply(_autocast_input(x), p.tk_group_w, getattr(p, "tk_group_w8", None), getattr(p, "tk_group_w8_inv", None),
                               getattr(p, "tk_group_w8t", None), getattr(p, "tk_group_w8t_inv", None),
                               self.members[0].scaling[name], *loras)
         outs = out.split(self.sizes, dim=-1)
@@ -218,9 +212,7 @@ def _forward(self, x, *args, **kwargs):
         return group.output(self, x)
     name = self.active_adapters[0]
     base = self.base_layer
-    if torch.is_autocast_enabled(x.device.type):  # what autocast would have made of the inputs
-        x = x.to(torch.get_autocast_dtype(x.device.type))
-    return FrozenLoRA.apply(x, base.weight, getattr(base, "tk_w8", None), getattr(base, "tk_w8_inv", None),
+    return FrozenLoRA.apply(_autocast_input(x), base.weight, getattr(base, "tk_w8", None), getattr(base, "tk_w8_inv", None),
                             getattr(base, "tk_w8t", None), getattr(base, "tk_w8t_inv", None),
                             self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name])
 

@@ -189,7 +189,11 @@ def noise_band(a: dict, b: dict, noise: dict[str, dict] | None = None) -> float:
     two results' own step-time spread and the run-to-run spread measured for their batch size (a `noise_*`
     result: the same config benched in separate processes)."""
     band = max(a.get("step_time_spread") or 0.0, b.get("step_time_spread") or 0.0)
-    batch = min(r["config"]["batch_size"] for r in (a, b) if r.get("config"))  # a cited figure has no config
+    # a cited figure, or a stack's row of a comparison, has no config: it brings its own spread only
+    batches = [r["config"]["batch_size"] for r in (a, b) if r.get("config")]
+    if not batches:
+        return band
+    batch = min(batches)
     for n in (noise or {}).values():
         if "between_run_spread" in n:
             small = batch <= 2
