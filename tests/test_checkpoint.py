@@ -36,7 +36,7 @@ DAMAGE = {
     "zero-filled": lambda raw: bytes(len(raw)),
     "64 flipped bytes": flip,
 }
-FILES = ["trainable.pt", "state.pt", "adapter/adapter_model.safetensors"]
+FILES = ["trainable.safetensors", "state.pt", "adapter/adapter_model.safetensors"]
 
 
 def test_every_file_is_recorded_with_its_sha256(tmp_path):
@@ -71,20 +71,22 @@ def test_an_unfinished_or_garbled_meta_json(tmp_path):
     first, second = save(tmp_path, 2, pieces), save(tmp_path, 4, pieces)
     (second / checkpoint.META).unlink()
     assert "never finished" in checkpoint.verify_checkpoint(second)
-    (first / checkpoint.META).write_text('{"step": 2, "files": {"trainable.pt": ')
+    (first / checkpoint.META).write_text('{"step": 2, "files": {"trainable.safetensors": ')
     assert "unreadable" in checkpoint.verify_checkpoint(first)
     found, problems = checkpoint.find_checkpoint(tmp_path)
     assert found is None and len(problems) == 2
 
 
-def test_a_checkpoint_from_before_checksums_still_loads(tmp_path):
+def test_a_meta_json_without_its_file_list_is_refused(tmp_path):
+    """Checkpoints from before checksums (or a meta.json edited) cannot be checked, so they are not loaded:
+    what is not checked could be anything (tests/test_security.py)."""
     path = save(tmp_path, 2, parts())
     meta = json.loads((path / checkpoint.META).read_text())
     (path / checkpoint.META).write_text(json.dumps({"step": meta["step"], "data": meta["data"]}))
-    assert checkpoint.verify_checkpoint(path) is None
-    assert checkpoint.load_checkpoint(path, *parts())["step"] == 2
-    (path / "state.pt").write_bytes(b"")
-    assert "state.pt is empty" in checkpoint.verify_checkpoint(path)
+    problem = checkpoint.verify_checkpoint(path)
+    assert problem.startswith(f"{path / checkpoint.META} lists no files")
+    with pytest.raises(checkpoint.CheckpointError, match=re.escape(str(path / checkpoint.META))):
+        checkpoint.load_checkpoint(path, *parts())
 
 
 def test_the_newest_by_step_whatever_latest_says(tmp_path):

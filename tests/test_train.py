@@ -19,6 +19,7 @@ import time
 import pytest
 import torch
 from helpers import SMALL_ARCH, SMALL_ARCH_ARGS, gpu, write_jsonl
+from safetensors.torch import load_file
 
 from tunekit import batching, checkpoint, config, data, train
 from tunekit import model as mdl
@@ -257,8 +258,8 @@ def test_resume_matches_uninterrupted_run(make_cfg, method, grad_accum, stop_aft
     assert [r["loss"] for r in rows_b] == pytest.approx([r["loss"] for r in rows_a], abs=1e-5)
     assert [r["lr"] for r in rows_b] == pytest.approx([r["lr"] for r in rows_a], rel=1e-6)
     assert [r["epoch"] for r in rows_b] == [r["epoch"] for r in rows_a]
-    final_a = torch.load(a.run_dir() / "ckpt-0000012" / "trainable.pt", weights_only=True)
-    final_b = torch.load(b.run_dir() / "ckpt-0000012" / "trainable.pt", weights_only=True)
+    final_a = load_file(a.run_dir() / "ckpt-0000012" / checkpoint.WEIGHTS)
+    final_b = load_file(b.run_dir() / "ckpt-0000012" / checkpoint.WEIGHTS)
     for name in final_a:
         torch.testing.assert_close(final_b[name], final_a[name], rtol=1e-4, atol=1e-6, msg=name)
 
@@ -428,7 +429,7 @@ def test_resume_falls_back_past_a_corrupt_checkpoint(make_cfg, capsys):
     a, b = make_cfg("a", **kw), make_cfg("b", **kw)
     train.train(a, progress=False)
     train.train(b, stop_after=5, progress=False)  # checkpoints at 2 and 4
-    weights = b.run_dir() / "ckpt-0000004" / "trainable.pt"
+    weights = b.run_dir() / "ckpt-0000004" / checkpoint.WEIGHTS
     flip_bytes(weights)
     capsys.readouterr()
     train.train(b, resume=True)
@@ -654,7 +655,7 @@ def test_checkpoint_is_atomic_and_pruned(tmp_path, tokenizer):
         assert not list(run.glob(".ckpt-*.tmp")), "a temp folder was left behind"
         assert (run / checkpoint.LATEST).read_text().strip() == path.name
         assert checkpoint.latest_checkpoint(run) == path
-        for part in ("trainable.pt", "state.pt", "meta.json", "adapter/adapter_config.json"):
+        for part in (checkpoint.WEIGHTS, "state.pt", "meta.json", "adapter/adapter_config.json"):
             assert (path / part).exists(), part
         meta = json.loads((path / "meta.json").read_text())
         assert (meta["step"], meta["data"]) == (step, {"epoch": 0, "next_batch": step})

@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -36,7 +37,7 @@ LATEST = "latest"
 META = "meta.json"
 CKPT = re.compile(r"ckpt-(\d+)")
 # What a training run writes into its folder (`prepared/` is a cache of the tokenized data, not part of a run).
-RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", LATEST, "adapter", "model")
+RUN_FILES = ("config.json", "data.json", "metrics.jsonl", "summary.json", LATEST, "adapter", "model")
 
 
 class CheckpointError(ValueError):
@@ -121,18 +122,37 @@ def atomic_write_json(path: str | os.PathLike, obj) -> None:
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG's state in types a weights-only load reads back (tensors, tuples, ints, floats, strings):
+    numpy's key array as an int64 tensor, since a pickled ndarray needs numpy's own unpickling."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    numpy_state = (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict) -> None:
+    """Restore what `rng_state` saved, exactly; also the ndarray form that checkpoints before it held."""
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, *rest = state["numpy"]
+    keys = keys.numpy() if isinstance(keys, torch.Tensor) else keys
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# The trainable weights of a checkpoint; checkpoints before it held them in the pickle `trainable.pt`.
+WEIGHTS, OLD_WEIGHTS = "trainable.safetensors", "trainable.pt"
+
+
+def _own_storage(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each tensor with a storage of its own, as safetensors requires: a view into a larger tensor (a
+    grouped layer's slice of one weight) is copied, anything else is written as it is."""
+    return {n: t if t.is_contiguous() and t.storage_offset() == 0
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.contiguous().clone()
+            for n, t in tensors.items()}
 
 
 def trainable_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -144,11 +164,12 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model, optimizer, sch
                     keep: int = 2) -> Path:
     """Write `run_dir/ckpt-<step>/` atomically and point `run_dir/latest` at it. Keeps the newest `keep`.
 
-    One process (or DDP, where every rank holds the same state): rank 0 writes `trainable.pt`, a PEFT
+    One process (or DDP, where every rank holds the same state): rank 0 writes `trainable.safetensors`, a PEFT
     `adapter/` and `state.pt`. FSDP2: every rank writes its own shards of the trainable weights and the
     optimizer state through `torch.distributed.checkpoint` into `sharded/` (nothing is gathered), and rank 0
     adds `state.pt` (scheduler, RNG, data position). Either way the folder appears complete or not at all,
-    with every file's checksum in `meta.json`."""
+    with every file's checksum in `meta.json`. `state.pt` holds only tensors and plain Python values, so
+    `load_checkpoint` reads it with `weights_only=True`: no file of a checkpoint can run code when loaded."""
     from tunekit import distributed
 
     run_dir = Path(run_dir)
@@ -168,7 +189,9 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model, optimizer, sch
             distributed.barrier()
             state["sharded"] = True
         elif main:
-            torch.save(trainable_state_dict(model), tmp / "trainable.pt")
+            from safetensors.torch import save_file
+
+            save_file(_own_storage(trainable_state_dict(model)), tmp / WEIGHTS)
             if hasattr(model, "peft_config"):  # also a standard PEFT adapter folder, loadable with PeftModel
                 model.save_pretrained(tmp / "adapter")
             state["optimizer"] = optimizer.state_dict()
@@ -215,14 +238,24 @@ def checkpoint_world(path: str | os.PathLike) -> int:
 
 def verify_checkpoint(path: str | os.PathLike) -> str | None:
     """None if every file of the checkpoint at `path` has the size and sha256 recorded when it was written;
-    otherwise what is wrong, naming the file."""
+    otherwise what is wrong, naming the file. A `meta.json` without its file list (checkpoints from before
+    checksums, or one edited) is a problem too: what the checkpoint holds could not be checked."""
     path = Path(path)
     meta = path / META
     try:
         saved = json.loads(meta.read_text())
-        saved["step"]  # noqa: B018 - a meta.json without it is unreadable
-        # Written before checksums: check at least that its two files are there and not empty.
-        files = saved.get("files") or dict.fromkeys(("trainable.pt", "state.pt"))
+        if not isinstance(saved["step"], int) or not isinstance(saved["data"], dict):
+            raise TypeError("its step is not a number or its data position not an object")
+        files = saved.get("files")
+        if not isinstance(files, dict) or not files:
+            return (f"{meta} lists no files with their sha256 (written before checkpoints recorded them, or "
+                    "edited), so the checkpoint cannot be checked and is not loaded")
+        # What load_checkpoint reads must be among the files checked.
+        weights = OLD_WEIGHTS if OLD_WEIGHTS in files and WEIGHTS not in files else WEIGHTS
+        needed = ["state.pt"] + ([] if any(n.startswith("sharded/") for n in files) else [weights])
+        if unlisted := [n for n in needed if n not in files]:
+            return (f"{meta} does not list {', '.join(unlisted)}, so the checkpoint cannot be checked and is not "
+                    "loaded")
     except FileNotFoundError:
         return f"{meta} is missing (the checkpoint was never finished)"
     except (ValueError, KeyError, TypeError, AttributeError) as e:
@@ -232,10 +265,8 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
         if not f.is_file():
             return f"{f} is missing"
         size = f.stat().st_size
-        if want is None:
-            if size == 0:
-                return f"{f} is empty"
-            continue
+        if not (isinstance(want, dict) and {"sha256", "bytes"} <= want.keys()):
+            return f"{meta} is unreadable (no sha256 and size for {name})"
         if size != want["bytes"]:
             return f"{f} is truncated or overwritten: {size} bytes, {want['bytes']} were written"
         if _sha256(f) != want["sha256"]:
@@ -261,9 +292,38 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     return find_checkpoint(run_dir)[0]
 
 
-def _load_file(path: Path, weights_only: bool):
+def _old_rng_globals() -> list:
+    """What a weights-only load needs to read the numpy RNG state of checkpoints before `rng_state` stored it
+    as a tensor: numpy's ndarray rebuilt from bytes, with a uint32 dtype only (no object arrays, no calls)."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=weights_only)
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy 1
+        from numpy.core.multiarray import _reconstruct
+    uint32 = type(np.dtype(np.uint32))
+    return [np.ndarray, np.dtype, uint32,
+            *((_reconstruct, f"{m}.multiarray._reconstruct") for m in ("numpy._core", "numpy.core"))]
+
+
+def _load_file(path: Path):
+    """A checkpoint file's tensors and plain values: safetensors, or a pickle read with `weights_only=True`,
+    which refuses anything but tensors and plain Python values — a crafted pickle cannot run code."""
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(path)
+        with torch.serialization.safe_globals(_old_rng_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "weights only" not in str(e).lower():
+            raise CheckpointError(f"cannot load checkpoint file {path}: {type(e).__name__}: {e}") from None
+        called = re.search(r"GLOBAL ([\w.]+)", str(e))
+        other = re.search(r"Unpickler error:\s*(.+?)(\.\s|\n|$)", str(e))
+        what = f"it calls {called[1]}" if called else other[1] if other else "a weights-only load refuses it"
+        raise CheckpointError(f"refusing checkpoint file {path}: it holds Python objects besides tensors and plain "
+                              f"values, and loading them could run code ({what}). tunekit never writes such a "
+                              "file: it was made or changed elsewhere. Resume from a checkpoint you trust, or "
+                              "start over with --overwrite.") from None
     except Exception as e:  # noqa: BLE001 - torch.load fails in many ways on a damaged file
         raise CheckpointError(f"cannot load checkpoint file {path}: {type(e).__name__}: {e}") from None
 
@@ -281,13 +341,14 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer, scheduler, verify
             kind = "a sharded (FSDP2)" if (path / "sharded").is_dir() else "a single-process or DDP"
             raise CheckpointError(f"{path} was written by {kind} run; resume it the same way (--parallel and "
                                   "the launch)")
-        state = _load_file(path / "state.pt", weights_only=False)
+        state = _load_file(path / "state.pt")
         distributed.load_sharded(model, optimizer, path / "sharded")
         scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
         return {"step": state["step"], "data": state["data"]}
     # Both files are read before anything changes, so a bad one leaves the model as it was.
-    trainable, state = _load_file(path / "trainable.pt", weights_only=True), _load_file(path / "state.pt", False)
+    weights = path / WEIGHTS if (path / WEIGHTS).is_file() else path / OLD_WEIGHTS
+    trainable, state = _load_file(weights), _load_file(path / "state.pt")
     params = dict(model.named_parameters())
     missing = [n for n in trainable if n not in params]
     if missing:

@@ -51,7 +51,8 @@ def _hf_step(cfg, vocab: int, device: str, dtype: torch.dtype):
                                    bnb_4bit_compute_dtype=torch.bfloat16)
         model = AutoModelForCausalLM.from_pretrained(str(mdl.save_random_init(arch, torch.bfloat16, cfg.seed)),
                                                      quantization_config=quant, dtype=torch.bfloat16,
-                                                     attn_implementation="sdpa", device_map={"": device})
+                                                     attn_implementation="sdpa", device_map={"": device},
+                                                     trust_remote_code=False)
     else:
         torch.manual_seed(cfg.seed)
         with torch.device(device):

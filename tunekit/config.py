@@ -72,6 +72,10 @@ class TuneConfig:
     BPE trained offline on the training data and cached."""
     tokenizer_vocab: int = 1024
     """Vocabulary size of the offline-trained BPE tokenizer (when `tokenizer` and `model` are empty)."""
+    trust_remote_code: bool = False
+    """Run the Python code a model or tokenizer brings with it (named in its config's `auto_map`), as
+    transformers' `trust_remote_code=True` does. Off, such a model is refused with a one-line error: nothing
+    from a downloaded folder runs unless this is set (read the code first)."""
     method: str = "lora"
     """`full` (every weight trains), `lora` (bf16/fp32 base + adapters) or `qlora` (4-bit NF4 base)."""
     lora_r: int = 16

@@ -245,10 +245,96 @@ def save_sharded(model, optimizer, folder) -> None:
     dcp.save(_sharded_state(model, optimizer), checkpoint_id=str(folder))
 
 
+# What a `torch.distributed.checkpoint` metadata file may name: the dataclasses and enums of its metadata
+# module, the filesystem's record of where each item lies, torch's dtypes, layouts, memory formats and Size,
+# paths. torch unpickles it with plain `pickle.load`, which runs whatever a crafted file names.
+DCP_METADATA = "torch.distributed.checkpoint.metadata"
+DCP_STORAGE_INFO = ("torch.distributed.checkpoint.filesystem", "_StorageInfo")
+
+
+def _dcp_global(module: str, name: str):
+    """The object `module.name` if a dcp metadata file may name it, else None."""
+    import importlib
+    import pathlib
+
+    if module == DCP_METADATA or (module, name) == DCP_STORAGE_INFO:
+        obj = getattr(importlib.import_module(module), name, None)
+        return obj if isinstance(obj, type) and obj.__module__ == module else None
+    if module == "torch":
+        obj = getattr(torch, name, None)
+        return obj if obj is torch.Size or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)) else None
+    if (module, name) == ("torch.serialization", "_get_layout"):  # as torch's weights-only load allows
+        return torch.serialization._get_layout
+    if module == "pathlib" and name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"):
+        return getattr(pathlib, name)
+    if (module, name) == ("collections", "OrderedDict"):
+        import collections
+
+        return collections.OrderedDict
+    return None
+
+
+def check_dcp_metadata(folder) -> None:
+    """Read every `*.metadata` file of a `torch.distributed.checkpoint` folder with an unpickler that builds
+    only what such a file holds (`_dcp_global`), before torch unpickles it freely; a CheckpointError naming the
+    file for anything else."""
+    import io
+    import pickle
+    from pathlib import Path
+
+    from tunekit.checkpoint import CheckpointError
+
+    class Restricted(pickle.Unpickler):
+        def find_class(self, module, name):
+            if (obj := _dcp_global(module, name)) is None:
+                raise pickle.UnpicklingError(f"it names {module}.{name}")
+            return obj
+
+    for f in sorted(p for p in Path(folder).iterdir() if p.name.endswith(".metadata")):
+        try:
+            Restricted(io.BytesIO(f.read_bytes())).load()
+        except Exception as e:  # noqa: BLE001 - a crafted or damaged pickle fails in many ways
+            raise CheckpointError(f"refusing checkpoint file {f}: it is not the metadata torch.distributed.checkpoint "
+                                  f"writes, and unpickling it could run code ({e}). Resume from a checkpoint you "
+                                  "trust, or start over with --overwrite.") from None
+
+
+def load_dcp(state: dict, folder) -> None:
+    """`torch.distributed.checkpoint.load(state, folder)` that runs no code from the folder: its metadata is
+    checked first (`check_dcp_metadata`), and each non-tensor value (optimizer hyperparameters), which dcp's
+    planner unpickles with `weights_only=False`, must load with `weights_only=True` first. Collective."""
+    import io
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from tunekit.checkpoint import CheckpointError
+
+    class PlainValues(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            raw = value.read()
+            try:
+                torch.load(io.BytesIO(raw), weights_only=True)
+            except Exception as e:  # noqa: BLE001
+                raise CheckpointError(f"refusing {read_item.dest_index.fqn} of the checkpoint in {folder}: it "
+                                      "is not a plain value, and loading it could run code "
+                                      f"({type(e).__name__})") from None
+            super().load_bytes(read_item, io.BytesIO(raw))
+
+    check_dcp_metadata(folder)
+    try:
+        dcp.load(state, checkpoint_id=str(folder), planner=PlainValues())
+    except CheckpointException as e:  # each rank's failure, wrapped with its traceback: ours said in one line
+        for failure in e.failures.values():
+            if isinstance(exc := failure[0] if isinstance(failure, tuple) else failure, CheckpointError):
+                raise exc from None
+        raise
+
+
 def load_sharded(model, optimizer, folder) -> None:
     """Read what `save_sharded` wrote back into the sharded model and optimizer, each rank its own shards.
     Collective."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_model_state_dict,
@@ -256,7 +342,7 @@ def load_sharded(model, optimizer, folder) -> None:
     )
 
     state = _sharded_state(model, optimizer)
-    dcp.load(state, checkpoint_id=str(folder))
+    load_dcp(state, folder)
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
     set_optimizer_state_dict(model, optimizer, state["optim"])
 

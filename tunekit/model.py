@@ -10,6 +10,12 @@
 - `load_pretrained` / `load_from_hub`: a local folder that is not there is said to be so (not taken for a hub
   name); a hub name fails within seconds when the hub is offline (`HF_HUB_OFFLINE=1`) or does not answer and
   the local cache lacks it, where the hub libraries retry for 25-50 s. A cached copy is used then, saying so.
+
+Nothing loaded runs code unless asked: every `from_pretrained` gets `trust_remote_code=False` unless the caller
+passes True (`tunekit train --trust-remote-code true`), so a model's own Python, named in its `auto_map`,
+never runs on a keypress at transformers' prompt; and a local folder's weights are checked first
+(`check_weights`): safetensors whole, a pickled `.bin` loadable with `weights_only=True`, a damaged or crafted
+file named in one line.
 """
 
 from __future__ import annotations
@@ -39,6 +45,10 @@ HUB_TIMEOUT_S = 5.0  # a reachable hub answers one request in well under a secon
 
 class HubError(ConnectionError):
     """The hub is offline or unreachable and the local cache lacks what was asked for; says what to do."""
+
+
+class WeightsError(ValueError):
+    """A weights file is truncated, corrupt, or a pickle that could run code; the message names it."""
 
 
 # ---- local folders and the hub ---------------------------------------------------------------------
@@ -134,12 +144,91 @@ def load_from_hub(load: Callable, name: str, kind: str = "model"):
     return loaded
 
 
-def load_pretrained(loader, name_or_path: str, kind: str = "model", **kwargs):
-    """`loader.from_pretrained(name_or_path, **kwargs)` for a local folder or a hub name, with the errors of
-    `is_local` and `load_from_hub`."""
+def load_pretrained(loader, name_or_path: str, kind: str = "model", trust_remote_code: bool = False, **kwargs):
+    """`loader.from_pretrained(name_or_path, trust_remote_code=..., **kwargs)` for a local folder or a hub name,
+    with the errors of `is_local` and `load_from_hub`. Code that comes with the model runs only with
+    `trust_remote_code`; without it, a model that needs such code is a one-line error."""
+
+    def load():
+        try:
+            return loader.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **kwargs)
+        except ValueError as e:
+            if trust_remote_code or "trust_remote_code" not in str(e):
+                raise
+            raise ValueError(f"{kind} {name_or_path!r} comes with its own Python code (named in its config's "
+                             "auto_map), which tunekit does not run unless asked: read that code, then pass "
+                             "--trust-remote-code true") from None
+
     if is_local(name_or_path, kind):
-        return loader.from_pretrained(name_or_path, **kwargs)
-    return load_from_hub(lambda: loader.from_pretrained(name_or_path, **kwargs), name_or_path, kind)
+        return load()
+    return load_from_hub(load, name_or_path, kind)
+
+
+# What transformers and peft read from a folder: the safetensors file (or its shards) when there, else the pickle.
+WEIGHT_FILES = (("model.safetensors", "pytorch_model.bin"), ("adapter_model.safetensors", "adapter_model.bin"))
+
+
+def check_weights(folder: str | os.PathLike) -> None:
+    """Check the weights files transformers or peft would read from `folder`, before they do: each safetensors
+    file's header must cover the file (a truncated copy fails here), and a pickled `.bin` (read when no
+    safetensors is there) must load with `weights_only=True`, so it holds tensors only and runs no code.
+    A WeightsError (a ValueError) names the file and what is wrong."""
+    folder = Path(folder).expanduser()
+    if not folder.is_dir():  # a hub name (or a missing folder, which `is_local` explains)
+        return
+    for names in WEIGHT_FILES:
+        for name in names:
+            if files := _weight_files(folder / name):
+                for f in files:
+                    _check_weights_file(f)
+                break  # the safetensors are read, not the .bin beside them
+
+
+def _weight_files(single: Path) -> list[Path]:
+    """`single` if it is there, else the shards its `.index.json` lists, else []."""
+    if single.is_file():
+        return [single]
+    index = single.with_name(single.name + ".index.json")
+    if not index.is_file():
+        return []
+    import json
+
+    try:
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise WeightsError(f"{index} is unreadable ({type(e).__name__}: {e}); copy the model folder again") from None
+    return [single.with_name(Path(s).name) for s in shards]
+
+
+def _check_weights_file(path: Path) -> None:
+    if not path.is_file():
+        raise WeightsError(f"{path} is missing (its index names it); copy the model folder again")
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                f.keys()
+        except Exception as e:  # noqa: BLE001 - safetensors' errors: SafetensorError, OSError, ...
+            raise WeightsError(f"{path} is truncated or corrupt ({_first_line(e)}); save or copy it again") from None
+        return
+    import pickle
+
+    try:
+        torch.load(path, map_location="meta", weights_only=True)
+    except pickle.UnpicklingError as e:
+        if "weights only" not in str(e).lower():
+            raise WeightsError(f"{path} is truncated or corrupt ({_first_line(e)}); save or copy it again") from None
+        called = re.search(r"GLOBAL ([\w.]+)", str(e))
+        raise WeightsError(f"refusing {path}: a pickle that holds more than tensors, and loading it could run code"
+                           f"{f' (it calls {called[1]})' if called else ''}. Use weights you trust, saved as "
+                           "safetensors.") from None
+    except Exception as e:  # noqa: BLE001 - torch.load fails in many ways on a damaged file
+        raise WeightsError(f"{path} is truncated or corrupt ({_first_line(e)}); save or copy it again") from None
+
+
+def _first_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
 
 
 # ---- device and dtype ------------------------------------------------------------------------------
@@ -165,11 +254,11 @@ def resolve_dtype(requested: str, device: str) -> torch.dtype:
 # ---- tokenizers ------------------------------------------------------------------------------------
 
 
-def load_tokenizer(name_or_path: str):
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
     """A tokenizer from the hub or a local folder; gets a pad token if it has none (Llama has none)."""
     from transformers import AutoTokenizer
 
-    tok = load_pretrained(AutoTokenizer, name_or_path, "model or tokenizer")
+    tok = load_pretrained(AutoTokenizer, name_or_path, "model or tokenizer", trust_remote_code)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -218,14 +307,15 @@ def llama_config(hidden_size: int, num_layers: int, num_heads: int, intermediate
 
 
 def build_model(arch=None, name_or_path: str = "", dtype: torch.dtype = torch.float32, device: str = "cpu",
-                attention: str = "sdpa", seed: int = 0):
+                attention: str = "sdpa", seed: int = 0, trust_remote_code: bool = False):
     """A causal LM: `from_pretrained(name_or_path)` when given, else random init from the config `arch`.
 
     Returned in train mode: `from_pretrained` gives eval mode, in which transformers skips checkpointing."""
     from transformers import AutoModelForCausalLM
 
     if name_or_path:
-        model = load_pretrained(AutoModelForCausalLM, name_or_path, "model", dtype=dtype,
+        check_weights(name_or_path)
+        model = load_pretrained(AutoModelForCausalLM, name_or_path, "model", trust_remote_code, dtype=dtype,
                                 attn_implementation=attention, device_map={"": device})
     else:
         torch.manual_seed(seed)
@@ -260,7 +350,7 @@ def require_cuda_for_4bit(device: str) -> None:
 
 
 def load_quantized(name_or_path: str, device: str = "cuda", attention: str = "sdpa",
-                   compute_dtype: torch.dtype = torch.bfloat16):
+                   compute_dtype: torch.dtype = torch.bfloat16, trust_remote_code: bool = False):
     """NF4 weights with double quantization and bf16 compute, as the QLoRA paper does.
 
     The packed weights are stored as bf16 tensors (`bnb_4bit_quant_storage`) so FSDP can shard them
@@ -275,8 +365,10 @@ def load_quantized(name_or_path: str, device: str = "cuda", attention: str = "sd
 
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                bnb_4bit_compute_dtype=compute_dtype, bnb_4bit_quant_storage=compute_dtype)
-    model = load_pretrained(AutoModelForCausalLM, name_or_path, "model", quantization_config=quant,
-                            dtype=compute_dtype, attn_implementation=attention, device_map={"": device})
+    check_weights(name_or_path)
+    model = load_pretrained(AutoModelForCausalLM, name_or_path, "model", trust_remote_code,
+                            quantization_config=quant, dtype=compute_dtype, attn_implementation=attention,
+                            device_map={"": device})
     model.config.use_cache = False
     for p in model.parameters():
         p.requires_grad_(False)
@@ -361,9 +453,25 @@ def merge_adapter(model, out_dir: str | os.PathLike | None = None, dtype: torch.
 
 
 def load_adapter(base_model, path: str | os.PathLike, trainable: bool = False):
-    """Attach a saved PEFT adapter to `base_model`."""
+    """Attach a saved LoRA adapter (the PEFT folder `save_adapter` writes) to `base_model`. Its weights are
+    checked first (`check_weights`: a truncated safetensors file or a pickled `adapter_model.bin` that is more
+    than tensors is a WeightsError naming it). Only LoRA adapters, the kind tunekit writes, are read: other PEFT
+    types load tokenizers and models of their own, which could bring code. No `trust_remote_code` is passed:
+    a LoRA folder is weights and JSON, and peft runs nothing from it."""
+    import json
+
     from peft import PeftModel
 
+    config = Path(path) / "adapter_config.json"
+    try:
+        kind = json.loads(config.read_text()).get("peft_type")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{config} is missing: {path} is not a saved adapter") from None
+    except (ValueError, AttributeError) as e:
+        raise WeightsError(f"{config} is unreadable ({type(e).__name__}: {e}); save the adapter again") from None
+    if kind != "LORA":
+        raise WeightsError(f"{config}: peft_type {kind!r}; tunekit loads LoRA adapters only (peft_type 'LORA')")
+    check_weights(path)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         return PeftModel.from_pretrained(base_model, str(path), is_trainable=trainable)
