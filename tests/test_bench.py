@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import SMALL_ARCH
 
-from tunekit import bench, results
+from tunekit import bench, prepared, results, train
 from tunekit.config import tiny
 from tunekit.model import llama_config
 
@@ -168,7 +168,7 @@ def test_run_train_loop_times_the_real_loop(tmp_path, small_data):
     assert r["config"]["packing"] == "auto"
 
 
-def test_run_epoch_times_a_run_from_nothing(tmp_path, small_data):
+def test_run_epoch_times_a_run_from_nothing(tmp_path, small_data, monkeypatch):
     """`bench --epoch F`: `tunekit train --epochs F` in a fresh folder; its parts add up to the wall time, the
     steps' real tokens give tok/s, the loss curve is against seconds since start, and a whole epoch is
     projected from the steps' share."""
@@ -189,6 +189,20 @@ def test_run_epoch_times_a_run_from_nothing(tmp_path, small_data):
                                                    + 2 * later_s + t["eval_s"], abs=0.2)
     times = [x for x, _ in r["curve"]]
     assert times == sorted(times) and len(r["curve"]) == 8 and r["eval_loss"] is not None
+    # From nothing each time: the prepared-data cache the run filled is emptied before the next one starts.
+    folder = prepared.cache_folder(train.prepare_key(cfg))
+    assert folder.is_dir()
+    seen = []
+
+    def no_run(run, **kwargs):
+        seen.append(folder.exists())
+        raise RuntimeError("not run")
+
+    monkeypatch.setattr(train, "train", no_run)
+    with pytest.raises(RuntimeError, match="not run"):
+        bench.run_epoch(cfg, 0.5, "epoch_tiny", verbose=False)
+    assert seen == [False]
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="share of one epoch"):
         bench.run_epoch(cfg, 1.5)
 

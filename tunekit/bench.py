@@ -313,7 +313,8 @@ def _scratch_dir(kind: str) -> Path:
 
 def _train_in_scratch(run: TuneConfig, kind: str, fresh: bool = False, **train_kwargs):
     """`train.train(run, overwrite=True, **train_kwargs)` in the scratch folder `_scratch_dir(kind)`, removed
-    afterwards; `fresh` empties it first, tokenized data included (`--overwrite` keeps that). Returns
+    afterwards; `fresh` empties it first, tokenized data included (`--overwrite` keeps that), and removes the
+    config's entry in the prepared-data cache. Returns
     (summary, metrics rows, wall seconds) on rank 0, None on the others."""
     import dataclasses
     import shutil
@@ -323,8 +324,12 @@ def _train_in_scratch(run: TuneConfig, kind: str, fresh: bool = False, **train_k
 
     tmp = _scratch_dir(kind)
     try:
-        if fresh and distributed.is_main():
+        if fresh and distributed.is_main():  # from nothing: not even the prepared-data cache
             shutil.rmtree(tmp, ignore_errors=True)
+            if run.tokenize != "in_loop":
+                from tunekit import prepared
+
+                shutil.rmtree(prepared.cache_folder(tr.prepare_key(run)), ignore_errors=True)
         t0 = time.perf_counter()
         summary = tr.train(dataclasses.replace(run, out_dir=str(tmp)), overwrite=True, **train_kwargs)
         wall = time.perf_counter() - t0

@@ -12,6 +12,11 @@ Each technique, with what it saves and what it costs:
   same call on the same data is a file lookup and any change recomputes. It works only on datasets backed by
   files, so `load_records` writes a JSONL/JSON/text file once as arrow under the cache (keyed by the file's
   bytes) and memory-maps it. Costs the disk of one converted copy plus each tokenized variant.
+- **Records are checked before `datasets` sees them** (`_check_values`): every field keeps one JSON type
+  across records and nests at most `MAX_NESTING` lists/objects deep, else an error names the line and the
+  field. `datasets.Dataset.from_dict` retries a type mismatch level by level, so a deeply nested value that
+  disagrees with another record's takes time doubling with each level before it fails (22 levels: 20 s; the
+  50 of a 110-byte record: years). Costs one walk over the records in Python.
 - **Parquet or `save_to_disk`** for the tokenized result: parquet is compressed and portable; `save_to_disk`
   is arrow, memory-mapped when loaded, so opening it is instant.
 - **Memory-mapped vs in RAM** (`load_tokenized(path, in_memory)`): memory-mapped costs no load time and no
@@ -86,10 +91,18 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 # The hash of this file goes into every cache key: datasets fingerprints a module-level function by its
 # name, not its code, so without it an edited reader or tokenizer would reuse results of the old one.
 CODE_VERSION = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+# How deep a field may nest lists and objects: a chat is 2 (a list of {role, content}), a tool call in a chat
+# about 6. Deeper is refused before `datasets` sees it (see the module docstring: a mismatch there takes time
+# doubling with each level).
+MAX_NESTING = 16
 
 
 class DataError(ValueError):
     """Bad input data; the message names the file, line or field, and what to do."""
+
+
+class ChatTemplateError(DataError):
+    """The chat template failed to render a conversation (a Jinja error, the sandbox's SecurityError)."""
 
 
 # ---- reading ---------------------------------------------------------------------------------------
@@ -186,23 +199,113 @@ def _read_records(source: str, cache_dir: str | os.PathLike | None = None):
         # a hub name like "org/name"
         return load_from_hub(lambda: datasets.load_dataset(source, split="train"), source, "dataset")
     root = Path(cache_dir) if cache_dir else cache_root() / "datasets"
-    if suffix == ".parquet":  # datasets' own parquet builder caches its arrow copy by path and mtime
-        return datasets.Dataset.from_parquet(str(path), cache_dir=str(root / "hf"))
+    if suffix == ".parquet":  # datasets' parquet builder keys its arrow copy by path and mtime: a folder per content
+        return datasets.Dataset.from_parquet(str(path), cache_dir=str(root / "hf" / _file_digest(path)))
     if suffix not in READERS:
         raise DataError(f"{path}: unknown file type {suffix!r}; use .jsonl, .json, .parquet or .txt.")
     folder = root / f"{path.stem}-{_file_digest(path)}"
     if not (folder / "state.json").exists():
-        records = READERS[suffix](path)
+        if suffix == ".jsonl":  # errors name the line
+            records, wheres = [], []
+            for lineno, rec in iter_jsonl(path):
+                records.append(rec)
+                wheres.append(f"{path}:{lineno}")
+        else:
+            records = READERS[suffix](path)
+            wheres = [f"{path}: record {i}" for i in range(1, len(records) + 1)]
         if not records:
             raise DataError(f"{path}: no records.")
+        _check_values(records, wheres)
         keys = dict.fromkeys(k for rec in records for k in rec)  # every record's fields (from_list: the first's)
         try:
             ds = datasets.Dataset.from_dict({k: [rec.get(k) for rec in records] for k in keys})
         except (TypeError, ValueError) as e:  # pyarrow's ArrowInvalid / ArrowTypeError derive from these
-            raise DataError(f"{path}: records disagree on the type of a field ({e}). "
-                            "Give each field one type (e.g. always a string) in every record.") from None
+            raise DataError(_disagreement(records, wheres, path, e)) from None
         _save_new(ds, folder)
     return datasets.load_from_disk(str(folder))
+
+
+def _nesting_over(value, limit: int) -> bool:
+    """Whether `value` nests lists/objects more than `limit` deep (stops looking as soon as it does)."""
+    stack = [(value, 1)]
+    while stack:
+        x, depth = stack.pop()
+        if isinstance(x, (list, dict)):
+            if depth > limit:
+                return True
+            stack.extend((y, depth + 1) for y in (x.values() if isinstance(x, dict) else x))
+    return False
+
+
+def _check_values(records: list[dict], wheres: list[str]) -> None:
+    """A DataError naming the record and the field unless every field keeps one JSON type (numbers: one type)
+    in every record and nests at most MAX_NESTING deep: checked here in milliseconds, where `datasets` would
+    take time doubling with each level of a mismatched nested value."""
+    first: dict[str, tuple[str, str]] = {}  # field -> (its type, the record that gave it)
+    for rec, where in zip(records, wheres):
+        for name, value in rec.items():
+            if value is None:
+                continue
+            if isinstance(value, (list, dict)) and _nesting_over(value, MAX_NESTING):
+                raise DataError(f"{where}: field '{name}' nests lists or objects more than {MAX_NESTING} deep. "
+                                "Fields are text, chats (lists of {'role', 'content'}) or shallow metadata: "
+                                "flatten the field or remove the record.")
+            kind = _json_type(value)
+            seen = first.setdefault(name, (kind, where))
+            if seen[0] != kind:
+                raise DataError(f"{where}: field '{name}' is {kind} ({json.dumps(value, default=str)[:40]}), but "
+                                f"{seen[0]} in {seen[1]}: records disagree on the type of a field. Give each field "
+                                "one type (e.g. always a string) in every record.")
+
+
+def _disagreement(records: list[dict], wheres: list[str], path: Path, error: Exception) -> str:
+    """Which record and field pyarrow could not fit in one type (inside lists or objects: `_check_values` saw
+    the same type at the top), for the message of `error`."""
+    import pyarrow as pa
+
+    keys = dict.fromkeys(k for rec in records for k in rec)
+    for name in keys:
+        present = [(rec[name], where) for rec, where in zip(records, wheres) if rec.get(name) is not None]
+        for value, where in present[1:]:
+            try:
+                pa.array([present[0][0], value])
+            except (TypeError, ValueError, pa.ArrowException):
+                return (f"{where}: field '{name}' holds values of another type than in {present[0][1]} "
+                        f"({json.dumps(value, default=str)[:40]}): records disagree on the type of a field "
+                        f"({error}). Give each field one type (e.g. always a string) in every record.")
+    return (f"{path}: records disagree on the type of a field ({error}). Give each field one type (e.g. always a "
+            "string) in every record.")
+
+
+def source_digest(source: str) -> str:
+    """A fingerprint of a dataset's content, for the keys of what is made from it: the sha256 of a file's bytes;
+    of a `save_to_disk` folder's files (not the `cache-*` files that `datasets.map` adds beside them); for a
+    hub dataset, datasets' own fingerprint of it (it follows the revision in the hub cache).
+
+    Never size and mtime: an edit that keeps both (`cp -p`, `rsync -a`, a same-length change) would reuse what
+    was made from the old data. The cost is a read of the data at each call: milliseconds for GSM8K's few MB,
+    about a second per GB."""
+    resolved = resolve_source(source)
+    path = Path(resolved)
+    local = not (source in NAMED and resolved == source)
+    if local and path.is_dir():
+        files = sorted(f for f in path.rglob("*") if f.is_file() and not f.name.startswith(("cache-", "tmp")))
+        h = hashlib.sha256(b"save_to_disk|")
+        for f in files:
+            h.update(f"{f.relative_to(path)}\0{file_sha256(f)}\0".encode())
+        return h.hexdigest()
+    if local and path.is_file():
+        return file_sha256(path)
+    return f"hub:{_read_records(source)._fingerprint}"  # (a missing file: the same error as load_records)
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file's bytes, read 4 MB at a time."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _file_digest(path: Path) -> str:
@@ -423,7 +526,10 @@ def read_chat_template(spec: str) -> str:
     if not path.is_file():
         raise DataError(f"chat_template {spec!r}: no such file. Use {', '.join(CHAT_TEMPLATES)}, a Jinja "
                         "template file or the template's text.")
-    return path.read_text(encoding="utf-8")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"chat_template {spec}: not UTF-8 (byte {e.start}). Re-encode the file as UTF-8.") from None
 
 
 def resolve_chat_template(spec: str, tokenizer):
@@ -452,9 +558,16 @@ def encode_chat(messages, tokenizer, where: str = "chat", chat_template: str = "
     turns = _check_messages(messages, where)
     template = resolve_chat_template(chat_template, tokenizer)
     if template:
+        from jinja2 import TemplateError  # the base of the sandbox's SecurityError too
+
         def render(msgs, generation_prompt=False) -> str:
-            return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt,
-                                                 chat_template=template if isinstance(template, str) else None)
+            try:
+                return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt,
+                                                     chat_template=template if isinstance(template, str) else None)
+            except TemplateError as e:
+                raise ChatTemplateError(f"{where}: the chat template failed on this conversation "
+                                        f"({type(e).__name__}: {e}). Fix the template, or choose another "
+                                        f"--chat-template ({', '.join(CHAT_TEMPLATES)}).") from None
 
         text, cuts, trained = render(turns), [0], []
         for i, t in enumerate(turns):
@@ -562,6 +675,7 @@ def tokenize_dataset(ds, tokenizer, max_length: int, num_proc: int | None = None
     if instruction_template and not response_template:
         raise DataError(f"{source}: --instruction-template needs --response-template (the marker that starts "
                         "each trained span).")
+    named = chat_template  # a file's name, for errors
     chat_template = read_chat_template(chat_template)  # a file's contents: they go into the fingerprint
     if chat_template != "auto" and response_field != "messages":
         raise DataError(f"{source}: --chat-template applies to chats (a 'messages' field), but this data has the "
@@ -578,13 +692,15 @@ def tokenize_dataset(ds, tokenizer, max_length: int, num_proc: int | None = None
                      desc="tokenize", fn_kwargs={"tokenizer": tokenizer, "max_length": max_length,
                                                  "prompt_fields": prompt_fields, "response_field": response_field,
                                                  "source": source, "code_version": CODE_VERSION, **options})
-    except BaseException:
+    except BaseException as e:
         # With num_proc, the shards that finished have written their files: remove them, and any temp file.
         for p in {p for d in folders for p in d.iterdir()} - before.keys():
             if p.is_dir():
                 shutil.rmtree(p, ignore_errors=True)
             else:
                 p.unlink(missing_ok=True)
+        if isinstance(e, ChatTemplateError) and named != chat_template:  # the template came from a file
+            raise ChatTemplateError(str(e).replace("the chat template", f"the chat template {named}", 1)) from None
         raise
     # Read back, not written: every file of the result was there before, untouched.
     outputs = [Path(f["filename"]) for f in tok.cache_files]
@@ -747,6 +863,6 @@ def load_tokenized(path: str | os.PathLike, in_memory: bool = False):
 
     path = Path(path)
     if path.suffix == ".parquet":
-        return datasets.Dataset.from_parquet(str(path), keep_in_memory=in_memory,
-                                             cache_dir=str(cache_root() / "datasets" / "hf"))
+        return datasets.Dataset.from_parquet(str(path), keep_in_memory=in_memory,  # (keyed by content: see above)
+                                             cache_dir=str(cache_root() / "datasets" / "hf" / _file_digest(path)))
     return datasets.load_from_disk(str(path), keep_in_memory=in_memory)
