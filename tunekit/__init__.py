@@ -2,7 +2,8 @@
 
 One module per concern: `config` (TuneConfig and presets), `data` (records, offline tokenization), `batching`
 (padding, grouping, packing, the DataLoader), `model`, `attention`, `loss`, `memory` (checkpointing, offload,
-peak memory), `estimate` (the memory estimator), `checkpoint`, `train`, `export` (a finished run merged, or
+peak memory), `estimate` (the memory estimator), `checkpoint`, `prepared` (the prepared-data cache and the
+run's record of its data), `runlock` (one writer per run folder), `train`, `export` (a finished run merged, or
 generating), `bench` (timing the step), `databench` (lesson 1's data measurements), `speedups` (lesson 4's
 switches), `distributed` (several GPUs), `results` (result files and their provenance), `claims` (the article's
 claims judged from results), `doctor`, `cli`, and `notebook` (helpers the course notebooks share).

@@ -12,8 +12,10 @@ import argparse
 import ast
 import inspect
 import shlex
+import signal
 import sys
 import textwrap
+import threading
 
 from tunekit.config import PRESETS, RESUME_SAFE_FIELDS, ConfigError, TuneConfig, field_types, resolve
 
@@ -29,15 +31,21 @@ def field_docs() -> dict[str, str]:
     return docs
 
 
-def fields_help() -> str:
-    defaults = TuneConfig()
+def fields_help(preset: str = "tiny") -> str:
+    """The config fields with their docs and their values in `preset` (the command's default preset)."""
+    defaults = PRESETS[preset]()
     docs = field_docs()
-    lines = ["config fields (override any with --field value; defaults are the tiny preset's):"]
+    lines = [(f"config fields (override any with --field value; defaults are the {preset} preset's, and "
+              "another --preset changes them):")]
     for name, typ in field_types().items():
         lines.append(f"  --{name.replace('_', '-')} {typ.__name__.upper()} (default {getattr(defaults, name)!r})")
         lines.append(textwrap.fill(docs.get(name, ""), 100, initial_indent=" " * 6, subsequent_indent=" " * 6,
                                    break_on_hyphens=False))
     return "\n".join(lines)
+
+
+TRUST_HELP = ("run the Python code a model or tokenizer folder brings with it (transformers' trust_remote_code); "
+              "off by default, and never taken from the run's own config.json: read that code first")
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -98,12 +106,14 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="", help="where the merged model goes (default <run_dir>/merged)")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--trust-remote-code", action="store_true", help=TRUST_HELP)
     p = sub.add_parser("generate", help="answer prompts with a finished run's model (greedy)", allow_abbrev=False)
     p.add_argument("run_dir", help="the run folder (its config.json and adapter/ or model/)")
     p.add_argument("prompts", nargs="+", help="prompt texts, each as training rendered them (e.g. "
                    "'Question: ...\nAnswer: ')")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--trust-remote-code", action="store_true", help=TRUST_HELP)
     p = sub.add_parser("databench", help="lesson 1's data measurements (train | loader | read)",
                        description="train: C1, GPU wait and packing on the preset's model; loader: DataLoader "
                        "knob sweep; read: RAM vs memory-mapped vs JSONL.", **common)
@@ -122,7 +132,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default="", help="result name (default fit_<preset>)")
     p.add_argument("--out", default="runs/bench", help="a .json file or a folder (default runs/bench)")
     p = sub.add_parser("estimate", help="predict the peak GPU memory of a training step, loading nothing",
-                       **common)
+                       **{**common, "epilog": fields_help("llama7b_lora")})
     p.add_argument("--preset", default="llama7b_lora", help=f"one of {', '.join(PRESETS)} (default llama7b_lora)")
     p.add_argument("--memory-gb", type=float, default=0.0,
                    help="also say the largest micro-batch whose estimate fits this much memory")
@@ -168,10 +178,48 @@ def unknown_arguments(command: argparse.ArgumentParser, rest: list[str], takes_f
     return None if takes_fields or not rest else f"unrecognized arguments: {' '.join(rest)}"
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP before a command caught it: raised like Ctrl-C's KeyboardInterrupt, so the blocks
+    that remove temps (`atomic_output`) run and the command ends with one line instead of dying mid-write."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+def _raise_stopped(signum, frame):
+    raise Stopped(signum)
+
+
+def _signal_name(e: KeyboardInterrupt) -> tuple[str, int]:
+    signum = getattr(e, "signum", signal.SIGINT)
+    return signal.Signals(signum).name, 128 + signum
+
+
+def say_error(message: str) -> None:
+    """Print the command's last line to stderr; a terminal that hung up (SIGHUP) takes it nowhere."""
+    try:
+        print(message, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
+    # The entry point owns the process: SIGTERM and SIGHUP stop as Ctrl-C does from the first line on (left
+    # to their default they kill it at once, during torch's import as anywhere). `train` catches all three
+    # once it has started, to finish the step; the handlers are put back on the way out.
+    old = {}
+    if threading.current_thread() is threading.main_thread():
+        old = {s: signal.signal(s, _raise_stopped) for s in (signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s}
     try:
         return _main(argv)
+    except KeyboardInterrupt as e:  # before (or after) a command's own handling
+        name, code = _signal_name(e)
+        say_error(f"tunekit: interrupted by {name}")
+        return code
     finally:  # a run launched by torchrun leaves its process group cleanly
+        for s, h in old.items():
+            signal.signal(s, h)
         if (dist := sys.modules.get("tunekit.distributed")) is not None:
             dist.teardown()
 
@@ -306,9 +354,11 @@ def _main(argv: list[str] | None = None) -> int:
                       f"--batch-size {min(best, cfg.batch_size)} "
                       f"--grad-accum {accum if best < cfg.batch_size else cfg.grad_accum}")
         elif args.command == "prepare":
+            from tunekit import runlock, stopping
             from tunekit.train import prepare
 
-            prepare(cfg, num_proc=args.num_proc)
+            with stopping.removed_if_left_empty(cfg.run_dir()), runlock.hold(cfg.run_dir(), "tunekit prepare"):
+                prepare(cfg, num_proc=args.num_proc)
     except (ConfigError, ValueError, FileNotFoundError, RuntimeError, OSError) as e:
         print(f"tunekit {args.command}: error: {e}", file=sys.stderr)
         return 2
@@ -324,15 +374,27 @@ def _export(args) -> int:
     try:
         device = resolve_device(args.device)
         if args.command == "export":
-            r = export.merge_run(args.run_dir, args.out or None, device, DTYPE[args.dtype])
+            r = export.merge_run(args.run_dir, args.out or None, device, DTYPE[args.dtype],
+                                 trust_remote_code=args.trust_remote_code)
             print(f"merged -> {r['merged_dir']} ({r['dtype']}); largest logit difference, relative: merged vs "
                   f"adapter {r['merged_vs_adapter']:.1e}, reloaded vs merged {r['reloaded_vs_merged']:.1e}")
         else:
-            for prompt, text in zip(args.prompts, export.generate(args.run_dir, args.prompts, args.max_new_tokens,
-                                                                   device)):
+            texts = export.generate(args.run_dir, args.prompts, args.max_new_tokens, device,
+                                    trust_remote_code=args.trust_remote_code)
+            for prompt, text in zip(args.prompts, texts):
                 print(f"{prompt}{text}\n")
-    except (ConfigError, ValueError, FileNotFoundError, RuntimeError, OSError) as e:
-        print(f"tunekit {args.command}: error: {e}", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        name, code = _signal_name(e)
+        what = "; nothing was written (its temp folder was removed)" if args.command == "export" else ""
+        say_error(f"tunekit {args.command}: interrupted by {name}{what}")
+        return code
+    except Exception as e:  # one line for every failure, a full disk included
+        from tunekit import stopping
+
+        if (full := stopping.no_space_message(e, getattr(args, "out", "") or args.run_dir)) is None and not isinstance(
+                e, (ConfigError, ValueError, FileNotFoundError, RuntimeError, OSError)):
+            raise
+        say_error(f"tunekit {args.command}: error: {full or e}")
         return 2
     return 0
 
@@ -341,32 +403,43 @@ def _train(args, rest: list[str], argv: list[str]) -> int:
     """`tunekit train`: exit 0 when done, 2 on bad input or a folder it must not touch, 1 when the run
     diverged, 128 + the signal (130 for Ctrl-C, 143 for SIGTERM) when stopped — each with one line, no
     traceback."""
-    early = "tunekit train: interrupted before training started; the run folder is as it was."
+    def early(e: KeyboardInterrupt) -> int:
+        name, code = _signal_name(e)
+        say_error(f"tunekit train: interrupted by {name} before training started; the run folder is as it was.")
+        return code
+
     try:
         from tunekit import train as tr
-    except KeyboardInterrupt:  # Ctrl-C while torch imports
-        print(early, file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C (or SIGTERM, SIGHUP) while torch imports
+        return early(e)
+    out_dir = None
     try:
         cfg = resolve(args.preset, rest)
+        out_dir = cfg.out_dir
         summary = tr.train(cfg, resume=args.resume, overwrite=args.overwrite,
                            allow_config_change=args.allow_config_change)
-    except (ConfigError, ValueError, FileNotFoundError, RuntimeError, OSError) as e:
-        print(f"tunekit train: error: {e}", file=sys.stderr)
-        return 2
     except tr.Diverged as e:
-        print(f"tunekit train: {e}", file=sys.stderr)
+        say_error(f"tunekit train: {e}")
         return 1
     except tr.Interrupted as e:
-        print(f"tunekit train: {e}. Continue with: {resume_command(argv)}", file=sys.stderr)
+        say_error(f"tunekit train: {e}. Continue with: {resume_command(argv)}")
         return 128 + e.signum
-    except KeyboardInterrupt:  # before train caught the signals
-        print(early, file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # before train caught the signals
+        return early(e)
+    except Exception as e:  # one line for every failure, a full disk included
+        full = tr.stopping.no_space_message(e, out_dir) if out_dir else None
+        if full is None and not isinstance(e, (ConfigError, ValueError, FileNotFoundError, RuntimeError, OSError)):
+            raise
+        say_error(f"tunekit train: error: {full}. Continue with: {resume_command(argv)}" if full else
+                  f"tunekit train: error: {e}")
+        return 2
     if tr.distributed.is_main():  # under torchrun, once
-        print(f"done: {summary['steps']} steps, loss {summary['losses'][0]:.3f} -> {summary['final_loss']:.3f}"
-              if summary["losses"] else "done: nothing to do")
-        print(f"outputs in {summary['run_dir']}")
+        try:
+            print(f"done: {summary['steps']} steps, loss {summary['losses'][0]:.3f} -> {summary['final_loss']:.3f}"
+                  if summary["losses"] else "done: nothing to do")
+            print(f"outputs in {summary['run_dir']}")
+        except (OSError, ValueError):  # the terminal hung up; the run is done all the same
+            pass
     return 0
 
 

@@ -15,9 +15,12 @@ from pathlib import Path
 
 import torch
 
-from tunekit import data
+from tunekit import checkpoint, data, runlock
 from tunekit import model as mdl
 from tunekit.config import TuneConfig, load_config
+
+# Written into every export folder: what a later export may replace without asking.
+EXPORT_RECORD = "export.json"
 
 
 def run_config(run_dir: str | Path) -> TuneConfig:
@@ -25,21 +28,46 @@ def run_config(run_dir: str | Path) -> TuneConfig:
 
 
 def run_tokenizer(cfg: TuneConfig, run_dir: str | Path):
-    """The tokenizer the run trained with: saved with its prepared data, or made again as training made it."""
+    """The tokenizer the run trained with: the one saved with its prepared data when its files verify and it
+    is the one the run recorded (`data.json`); otherwise made again as training made it, if that gives the
+    recorded one (saying so). Another tokenizer would turn the model's ids into other text: refused, naming
+    the file."""
+    import sys
+
+    from tunekit import prepared
     from tunekit.train import build_tokenizer
 
-    saved = Path(run_dir) / "prepared" / "tokenizer"
-    return mdl.load_tokenizer(str(saved)) if saved.exists() else build_tokenizer(cfg)
+    run_dir = Path(run_dir)
+    want = (prepared.read_record(run_dir) or {}).get("tokenizer_sha256")
+    saved = run_dir / "prepared"
+    tokenizer, problem = prepared.load_tokenizer(saved, getattr(cfg, "trust_remote_code", False))
+    if tokenizer is not None and want not in (None, prepared.tokenizer_digest(tokenizer)):
+        tokenizer, problem = None, (f"{saved / 'tokenizer'} is not the tokenizer the run trained with (its digest "
+                                    f"differs from the one in {run_dir / prepared.RECORD})")
+    if tokenizer is not None:
+        return tokenizer
+    made = build_tokenizer(cfg)
+    if want is None or prepared.tokenizer_digest(made) == want:
+        if problem:
+            print(f"tokenizer: {problem}; made it again as the run did"
+                  f"{', and it is the one the run recorded' if want else ''}", file=sys.stderr)
+        return made
+    raise ValueError(f"{problem or f'{saved} holds no tokenizer'}, and making it again "
+                     f"({cfg.tokenizer or cfg.model or f'trained on {cfg.data}'}) gives another one: the data or the "
+                     f"tokenizer changed since the run. Restore {saved / 'tokenizer'} or the data as the run had it.")
 
 
-def base_model_of(cfg: TuneConfig, vocab_size: int, device: str, dtype: torch.dtype = torch.bfloat16):
+def base_model_of(cfg: TuneConfig, vocab_size: int, device: str, dtype: torch.dtype = torch.bfloat16,
+                  trust_remote_code: bool = False):
     """The run's base model in `dtype`, never 4-bit: the model it named, or its random-init weights (QLoRA: the
-    saved random-init checkpoint its 4-bit load read; LoRA: rebuilt from the seed, as training built it)."""
+    saved random-init checkpoint its 4-bit load read; LoRA: rebuilt from the seed, as training built it).
+    `trust_remote_code` is the caller's, never the run's config.json: a run folder from elsewhere cannot
+    switch it on."""
     from tunekit.train import run_arch
 
     arch = run_arch(cfg, vocab_size)
     if cfg.model:
-        return mdl.build_model(None, cfg.model, dtype, device)
+        return mdl.build_model(None, cfg.model, dtype, device, trust_remote_code=trust_remote_code)
     if cfg.method == "qlora":
         return mdl.build_model(None, str(mdl.save_random_init(arch, torch.bfloat16, cfg.seed)), dtype, device)
     # Random init draws differ by device and dtype: draw as training did (its config.json has both resolved)
@@ -50,25 +78,34 @@ def base_model_of(cfg: TuneConfig, vocab_size: int, device: str, dtype: torch.dt
     return mdl.cast_weights(trained.to(device), dtype)
 
 
-def load_run(run_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.bfloat16):
+def load_run(run_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.bfloat16,
+             trust_remote_code: bool = False):
     """(the run's model — base in `dtype` with its adapter attached, in eval mode — its tokenizer, its config).
-    A full fine-tune's saved model is loaded as it is."""
+    A full fine-tune's saved model is loaded as it is. Nothing in the run folder runs code: its weights are
+    checked (`model.check_weights`), and `trust_remote_code` comes from the caller, not from the run's config."""
+    import dataclasses
+
     run_dir = Path(run_dir)
-    cfg = run_config(run_dir)
+    # The caller's flag replaces the one in config.json: a run folder from elsewhere cannot switch it on for
+    # the tokenizer or base model it names.
+    cfg = dataclasses.replace(run_config(run_dir), trust_remote_code=trust_remote_code)
     tokenizer = run_tokenizer(cfg, run_dir)
     if cfg.method == "full":
         if not (run_dir / "model" / "config.json").exists():
             raise FileNotFoundError(f"{run_dir}/model: no saved model; the run has not finished (resume it)")
-        return mdl.build_model(None, str(run_dir / "model"), dtype, device).eval(), tokenizer, cfg
+        model = mdl.build_model(None, str(run_dir / "model"), dtype, device, trust_remote_code=trust_remote_code)
+        return model.eval(), tokenizer, cfg
     if not (run_dir / "adapter" / "adapter_config.json").exists():
         raise FileNotFoundError(f"{run_dir}/adapter: no saved adapter; the run has not finished (resume it)")
-    base = base_model_of(cfg, len(tokenizer), device, dtype)
+    mdl.check_weights(run_dir / "adapter")  # before the base model is built: a bad adapter fails at once
+    base = base_model_of(cfg, len(tokenizer), device, dtype, trust_remote_code)
     return mdl.load_adapter(base, run_dir / "adapter").eval(), tokenizer, cfg
 
 
 @torch.no_grad()
 def merge_run(run_dir: str | Path, out_dir: str | Path | None = None, device: str = "cpu",
-              dtype: torch.dtype = torch.bfloat16, tokens: int = 128, seed: int = 0) -> dict:
+              dtype: torch.dtype = torch.bfloat16, tokens: int = 128, seed: int = 0,
+              trust_remote_code: bool = False) -> dict:
     """Merge the run's adapter into its base in `dtype`, save it to `out_dir` (default `<run>/merged`), reload
     it with `from_pretrained`, and compare the logits of 2 x `tokens` random tokens: unmerged, merged, reloaded.
     Returns the folder and the largest logit differences (relative to the largest logit): in bf16 the merge
@@ -80,23 +117,65 @@ def merge_run(run_dir: str | Path, out_dir: str | Path | None = None, device: st
     cfg = run_config(run_dir)
     if cfg.method == "full":
         raise ValueError(f"{run_dir} is a full fine-tune: its model folder is already the whole model")
+    out = Path(out_dir) if out_dir else run_dir / "merged"
+    check_export_target(run_dir, out)
+    # One writer at a time in the run folder (a training run resuming there, another export of it); the merged
+    # model appears whole or not at all.
+    with runlock.hold(run_dir, "this export"):
+        return _merge_run(run_dir, out, device, dtype, tokens, seed, trust_remote_code)
+
+
+def check_export_target(run_dir: Path, out: Path) -> None:
+    """Refuse an export folder whose replacement would lose something: the run itself or a folder holding it,
+    a folder inside the run other than its `merged/`, a file, another run, a folder a process is writing, or
+    a folder holding anything but an earlier export (whose `export.json` says it is one)."""
+    run, target = run_dir.resolve(), out.resolve()
+    where = f"--out {out}"
+    if target == run or run.is_relative_to(target):
+        raise ValueError(f"{where} is the run folder {run_dir} or holds it: an export replaces its folder, so the "
+                         "run would be deleted. Choose a new folder (the default is <run>/merged).")
+    if target.is_relative_to(run) and target != run / "merged":
+        raise ValueError(f"{where} is inside the run folder {run_dir}: an export writes only its default merged/ "
+                         "there. Choose a folder outside the run.")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{where} is a file: an export writes a folder. Choose a new folder.")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if runlock.held_by_other(out):
+        raise runlock.RunInUseError(f"{where} is being written by another tunekit process "
+                                    f"(pid {(runlock.holder(out) or {}).get('pid', '?')}). Choose another folder.")
+    if target == run / "merged" or (out / EXPORT_RECORD).is_file():
+        return  # the run's own default export, or an earlier export: replaced
+    if found := checkpoint.run_contents(out):
+        raise ValueError(f"{where} holds a training run ({', '.join(found)}): an export would delete it. "
+                         "Choose a new folder.")
+    names = sorted(p.name for p in out.iterdir())
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    raise ValueError(f"{where} already holds files that are not a tunekit export ({shown}): an export "
+                     "replaces its folder, so they would be deleted. Choose an empty or new folder.")
+
+
+def _merge_run(run_dir: Path, out: Path, device: str, dtype: torch.dtype, tokens: int, seed: int,
+               trust_remote_code: bool) -> dict:
 
     def random_ids(tokenizer) -> torch.Tensor:  # the same tokens for every model compared
         return torch.randint(0, len(tokenizer), (2, tokens), generator=torch.Generator().manual_seed(seed)).to(device)
 
     reference = None
     if dtype != torch.float32:  # the same weights and adapter computed in fp32: what both bf16 models approximate
-        model, tokenizer, _ = load_run(run_dir, device, torch.float32)
+        model, tokenizer, _ = load_run(run_dir, device, torch.float32, trust_remote_code)
         reference = model(input_ids=random_ids(tokenizer)).logits.float()
         del model  # freed before the model in `dtype` is built
         if device == "cuda":
             torch.cuda.empty_cache()
-    model, tokenizer, _ = load_run(run_dir, device, dtype)
+    model, tokenizer, _ = load_run(run_dir, device, dtype, trust_remote_code)
     ids = random_ids(tokenizer)
-    out = Path(out_dir) if out_dir else run_dir / "merged"
     want = model(input_ids=ids).logits.float()
-    merged = mdl.merge_adapter(model, out, dtype)
-    tokenizer.save_pretrained(str(out))
+    merged = mdl.merge_adapter(model, None, dtype)
+    with checkpoint.atomic_output(out) as tmp:  # weights, tokenizer and the record together, or nothing
+        merged.save_pretrained(tmp)
+        tokenizer.save_pretrained(str(tmp))
+        checkpoint.atomic_write_json(tmp / EXPORT_RECORD, {"run_dir": str(run_dir.resolve()), "dtype": str(dtype)})
     got = merged(input_ids=ids).logits.float()
     reloaded = mdl.build_model(None, str(out), dtype, device).eval()(input_ids=ids).logits.float()
     scale = want.abs().max().item()
@@ -113,9 +192,9 @@ def merge_run(run_dir: str | Path, out_dir: str | Path | None = None, device: st
 
 @torch.no_grad()
 def generate(run_dir: str | Path, prompts: list[str], max_new_tokens: int = 64, device: str = "cpu",
-             dtype: torch.dtype = torch.bfloat16) -> list[str]:
+             dtype: torch.dtype = torch.bfloat16, trust_remote_code: bool = False) -> list[str]:
     """Greedy continuations of `prompts` by the run's model (its BOS first, as in training), one at a time."""
-    model, tokenizer, _ = load_run(run_dir, device, dtype)
+    model, tokenizer, _ = load_run(run_dir, device, dtype, trust_remote_code)
     out = []
     for prompt in prompts:
         ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tunekit import batching, checkpoint, data, distributed, memory, speedups, stopping
+from tunekit import batching, checkpoint, data, distributed, memory, prepared, runlock, speedups, stopping
 from tunekit import loss as loss_fn
 from tunekit import model as mdl
 from tunekit.attention import choose_attention, sdpa_backends, sdpa_context
@@ -80,59 +80,98 @@ def training_texts(ds, source: str = "dataset") -> list[str]:
 
 def build_tokenizer(cfg: TuneConfig, records=None):
     if cfg.tokenizer or cfg.model:
-        return mdl.load_tokenizer(cfg.tokenizer or cfg.model)
+        return mdl.load_tokenizer(cfg.tokenizer or cfg.model, cfg.trust_remote_code)
     records = records if records is not None else data.load_records(cfg.data, fields=cfg.fields)
     return mdl.train_tokenizer(training_texts(records, cfg.data), cfg.tokenizer_vocab)
 
 
-def prepare(cfg: TuneConfig, num_proc: int | None = None, verbose: bool = True):
-    """Tokenize the training data offline into `<run_dir>/prepared/`, or reuse it if it is up to date.
+def prepare(cfg: TuneConfig, num_proc: int | None = None, verbose: bool = True, *, commit: bool = True,
+            check_run: bool = False):
+    """Tokenize the training data offline into `<run_dir>/prepared/`, or reuse it if it is up to date and
+    every file of it verifies (tunekit/prepared.py: a key that follows the data's content, checksums).
 
     Returns (tokenizer, tokenized dataset, stats); `stats["packing"]` is the strategy the config's `packing`
     resolved to (`auto` decides from the sample lengths, `batching.choose_packing`), and the dataset is then
-    packed rows if it is `pack`."""
+    packed rows if it is `pack`. What is made goes to the cache first; `commit=False` (a run's start) leaves
+    it there (`stats["staged"]`) for `prepared.commit` to copy in once the run has started, so a start that
+    fails changes nothing. `check_run` (a resume): the data, the tokenizer and the samples must be those of
+    the run's record (`data.json`), else a DataError says what changed."""
     import datasets
 
     if cfg.tokenize == "in_loop":
-        return _in_loop(cfg, verbose)
+        return _in_loop(cfg, verbose, check_run)
+    say = print if verbose else (lambda *a, **k: None)
     run_dir = cfg.run_dir()
     out = run_dir / "prepared"
-    src = Path(data.resolve_source(cfg.data))
-    stamp = f"{src.stat().st_size}:{src.stat().st_mtime_ns}" if src.is_file() else cfg.data
-    key = hashlib.sha256(json.dumps([cfg.data, stamp, cfg.tokenizer or cfg.model, cfg.tokenizer_vocab,
-                                     cfg.max_length, cfg.packing, cfg.fields, cfg.response_template,
-                                     cfg.instruction_template, data.read_chat_template(cfg.chat_template)]
-                                    ).encode()).hexdigest()[:16]
-    stats_file = out / "stats.json"
-    if stats_file.exists() and json.loads(stats_file.read_text()).get("key") == key:
-        from transformers import AutoTokenizer
+    digest = data.source_digest(cfg.data)
+    record = _run_record(run_dir, check_run, say)
+    prepared.check_data(record, digest, cfg.data, run_dir)  # before any work
+    key = prepare_key(cfg, digest)
+    where, remote = out, getattr(cfg, "trust_remote_code", False)
+    found, problem = prepared.load(out, key, remote)
+    if found is None:
+        if problem:
+            say(f"data: {problem}; preparing the data again")
+        where = prepared.cache_folder(key)
+        found, problem = prepared.load(where, key, remote)
+        if found is None and where.exists():  # damaged: made again below
+            shutil.rmtree(where, ignore_errors=True)
+    if found is not None:
+        tokenizer, ds, stats = found
+        stats["cached"] = True  # this run reused the prepared data
+        say(f"data: reusing {where} ({stats['samples']} samples, {stats['tokens']} tokens)")
+    else:
+        if not verbose or not stopping.on_terminal():  # progress bars are carriage returns in a log file
+            datasets.disable_progress_bars()
+        records = data.load_records(cfg.data, fields=cfg.fields)
+        tokenizer = build_tokenizer(cfg, records)
+        # datasets' own cache beside a save_to_disk folder is named by the fingerprint in its state.json, which an
+        # edit of its arrow files keeps: tokenized afresh (the key above follows the files).
+        ds, stats = data.tokenize_dataset(records, tokenizer, cfg.max_length, num_proc=num_proc, source=cfg.data,
+                                          use_cache=not Path(data.resolve_source(cfg.data)).is_dir(),
+                                          **text_options(cfg))
+        stats["packing"], stats["packing_reason"] = batching.choose_packing(cfg.packing, data.lengths_of(ds),
+                                                                            cfg.max_length)
+        if stats["packing"] == "pack":
+            ds = data.pack_dataset(ds, cfg.max_length)
+            stats["packed_rows"] = len(ds)
+        stats.update(key=key, data=cfg.data, data_sha256=digest, vocab_size=len(tokenizer))
+        cached = stats.pop("cached")
+        prepared.save(where, tokenizer, ds, stats)
+        found, problem = prepared.load(where, key, remote)  # memory-mapped, as every later start reads it
+        if found is None:
+            raise data.DataError(f"{where}: the data just prepared cannot be read back: {problem}")
+        tokenizer, ds, stats = found
+        stats["cached"] = cached
+        say(f"data: {stats['samples']} samples, {stats['tokens']} tokens, {stats['truncated']} truncated "
+            f"to {cfg.max_length} -> {out}")
+    say(f"batches: {stats['packing_reason']}")
+    prepared.check_run(record, stats, run_dir, cfg.tokenizer or cfg.model or f"trained on {cfg.data}")
+    if where != out:
+        if commit:
+            prepared.copy_in(where, out)
+        else:
+            stats["staged"] = str(where)
+    return tokenizer, ds, stats
 
-        stats = {**json.loads(stats_file.read_text()), "cached": True}  # this run reused the prepared data
-        if verbose:
-            print(f"data: reusing {out} ({stats['samples']} samples, {stats['tokens']} tokens)")
-            print(f"batches: {stats['packing_reason']}")
-        return AutoTokenizer.from_pretrained(str(out / "tokenizer")), datasets.load_from_disk(str(out / "dataset")), stats
-    if not verbose or not stopping.on_terminal():  # progress bars are carriage returns in a log file
-        datasets.disable_progress_bars()
-    records = data.load_records(cfg.data, fields=cfg.fields)
-    tokenizer = build_tokenizer(cfg, records)
-    ds, stats = data.tokenize_dataset(records, tokenizer, cfg.max_length, num_proc=num_proc, source=cfg.data,
-                                      **text_options(cfg))
-    stats["packing"], stats["packing_reason"] = batching.choose_packing(cfg.packing, data.lengths_of(ds),
-                                                                        cfg.max_length)
-    if stats["packing"] == "pack":
-        ds = data.pack_dataset(ds, cfg.max_length)
-        stats["packed_rows"] = len(ds)
-    stats["key"] = key
-    out.mkdir(parents=True, exist_ok=True)
-    data.save_dataset(ds, out / "dataset")
-    tokenizer.save_pretrained(str(out / "tokenizer"))
-    checkpoint.atomic_write_json(stats_file, stats)
-    if verbose:
-        print(f"data: {stats['samples']} samples, {stats['tokens']} tokens, {stats['truncated']} truncated "
-              f"to {cfg.max_length} -> {out}")
-        print(f"batches: {stats['packing_reason']}")
-    return tokenizer, datasets.load_from_disk(str(out / "dataset")), stats
+
+def prepare_key(cfg: TuneConfig, digest: str | None = None) -> str:
+    """What names a config's prepared data: the content of its data (`digest`, computed if not given) and of
+    a local tokenizer, not their size and mtime (tunekit/prepared.py), and every option that changes a sample."""
+    digest = digest or data.source_digest(cfg.data)
+    return hashlib.sha256(json.dumps([cfg.data, digest, prepared.tokenizer_source(cfg.tokenizer or cfg.model),
+                                      cfg.tokenizer_vocab, cfg.max_length, cfg.packing, cfg.fields,
+                                      cfg.response_template, cfg.instruction_template,
+                                      data.read_chat_template(cfg.chat_template)]).encode()).hexdigest()[:16]
+
+
+def _run_record(run_dir: Path, check_run: bool, say) -> dict | None:
+    """On a resume, what the run recorded it trained on (None, saying so, for a run from before the record)."""
+    record = prepared.read_record(run_dir) if check_run else None
+    if check_run and record is None:
+        say(f"resume: {run_dir} has no {prepared.RECORD} (started before tunekit recorded its data): its data and "
+            "tokenizer cannot be checked this time; they are recorded from now on")
+    return record
 
 
 def text_options(cfg: TuneConfig) -> dict:
@@ -142,15 +181,22 @@ def text_options(cfg: TuneConfig) -> dict:
             "chat_template": cfg.chat_template}
 
 
-def _in_loop(cfg: TuneConfig, verbose: bool):
+def _in_loop(cfg: TuneConfig, verbose: bool, check_run: bool = False):
     """`tokenize=in_loop`: the records as they are, tokenized sample by sample as the DataLoader reads them
-    (`data.InLoopTokenized`); only the tokenizer is made (or read) before training."""
+    (`data.InLoopTokenized`); only the tokenizer is made (or read) before training. A resume checks the data
+    and the tokenizer against the run's record, as `prepare` does."""
+    run_dir = cfg.run_dir()
+    digest = data.source_digest(cfg.data)
+    record = _run_record(run_dir, check_run, print if verbose else (lambda *a, **k: None))
+    prepared.check_data(record, digest, cfg.data, run_dir)
     records = data.load_records(cfg.data, fields=cfg.fields)
     tokenizer = build_tokenizer(cfg, records)
     ds = data.InLoopTokenized(records, tokenizer, cfg.max_length, cfg.data, **text_options(cfg))
     reason = "pad: tokenize=in_loop (each batch tokenized as it is read, padded to its longest sample)"
     stats = {"samples": len(ds), "tokens": None, "target_tokens": None, "truncated": None, "packing": "pad",
-             "packing_reason": reason, "tokenize": "in_loop"}
+             "packing_reason": reason, "tokenize": "in_loop", "data": cfg.data, "data_sha256": digest,
+             "tokenizer_sha256": prepared.tokenizer_digest(tokenizer), "vocab_size": len(tokenizer)}
+    prepared.check_run(record, stats, run_dir, cfg.tokenizer or cfg.model or f"trained on {cfg.data}")
     if verbose:
         print(f"data: {len(ds)} records of {cfg.data}, tokenized in the loop")
         print(f"batches: {reason}")
@@ -174,13 +220,13 @@ def build_training_model(cfg: TuneConfig, vocab_size: int, device: str, dtype: t
         # Rank 0 saves the random-init model once; the others load what it wrote (under torchrun, transformers
         # writes no config.json from the other ranks).
         source = cfg.model or str(distributed.main_first(lambda: mdl.save_random_init(arch, torch.bfloat16, cfg.seed)))
-        model = mdl.load_quantized(source, device, attn)
+        model = mdl.load_quantized(source, device, attn, trust_remote_code=cfg.trust_remote_code)
         if cfg.peft_kbit_prepare:  # peft's guides; upcasts the non-4-bit weights to fp32 (measured in lesson 2)
             from peft import prepare_model_for_kbit_training
 
             model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     else:
-        model = mdl.build_model(arch, cfg.model, dtype, device, attn, cfg.seed)
+        model = mdl.build_model(arch, cfg.model, dtype, device, attn, cfg.seed, cfg.trust_remote_code)
     # Model code stays single-device and eager; what changes its kernels comes here, before the adapters.
     kernels = speedups.apply_liger(model) if cfg.kernels == "liger" else []
     if cfg.method in ("lora", "qlora"):
@@ -444,12 +490,20 @@ def evaluate(step_module, model, eval_ds, cfg: TuneConfig, pad_id: int, device: 
     return float(total) / max(1, distributed.all_reduce_sum(count))
 
 
+def finished(run_dir: Path, cfg: TuneConfig) -> bool:
+    """Whether a run whose final checkpoint exists also wrote what follows it: the adapter (or the whole model)
+    and `summary.json`. A kill between them leaves a run that a resume finishes rather than calls done."""
+    out = run_dir / ("model/config.json" if cfg.method == "full" else "adapter/adapter_config.json")
+    return out.exists() and (run_dir / "summary.json").exists()
+
+
 def _worker_init(then, worker_id: int) -> None:
-    """DataLoader workers leave SIGINT and SIGTERM (Ctrl-C and `kill` reach the whole process group) to the
-    training process, which finishes its step, saves and then shuts them down. Left to torch, they die, and
-    the training process fails with "DataLoader worker ... killed by signal" wherever it is, before saving."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    """DataLoader workers leave SIGINT, SIGTERM and SIGHUP (Ctrl-C, `kill` and a closed terminal reach the whole
+    process group) to the training process, which finishes its step, saves and then shuts them down. Left to
+    torch, they die, and the training process fails with "DataLoader worker ... killed by signal" wherever it
+    is, before saving."""
+    for signum in stopping.STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
     if then is not None:
         then(worker_id)
 
@@ -516,8 +570,10 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
     run_dir = cfg.run_dir()
     say = print if progress and main else (lambda *a, **k: None)
     state = {"started": False, "signal": None, "step": 0, "checkpoint": None}  # shared with the signal handler
-    with stopping.removed_if_left_empty(run_dir), stopping.stop_requests(state), \
-            speedups.tf32(cfg.tf32, device):
+    # The lock (rank 0's: one launch is one writer) is taken before the folder is looked at and dropped before
+    # an empty new folder is removed.
+    with stopping.removed_if_left_empty(run_dir), runlock.hold(run_dir, "this run") if main else \
+            contextlib.nullcontext(), stopping.stop_requests(state), speedups.tf32(cfg.tf32, device):
         ckpt, changes = checkpoint.open_run(run_dir, resolved, resume, overwrite, allow_config_change, say,
                                             clean=main)
         step = checkpoint.checkpoint_step(ckpt) if ckpt else 0
@@ -530,15 +586,20 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
         if cfg.epochs and ckpt is not None:  # the data decides the length: known here only if epochs is as saved
             saved_cfg = checkpoint.saved_config(run_dir)
             planned = saved_cfg.max_steps if saved_cfg.epochs == cfg.epochs else math.inf
-        if step >= planned:  # before the data and the model are built
+        finishing = step >= planned and not finished(run_dir, resolved)
+        if step >= planned and not finishing:  # before the data and the model are built
             say(f"nothing to do: {run_dir} already ran {step} of {planned} steps")
-            done = run_dir / "summary.json"
-            stats = json.loads(done.read_text()).get("data") if done.exists() else None
+            stats = json.loads((run_dir / "summary.json").read_text()).get("data")
             return {"steps": step, "losses": [], "final_loss": None, "data": stats, "run_dir": str(run_dir)}
+        if finishing:  # killed after its final checkpoint, before the outputs that follow it were written
+            say(f"resume: {run_dir} ran all {step} steps but its outputs were not all written; writing them from {ckpt}")
 
-        # Rank 0 tokenizes into the run folder; the others then read what it wrote.
+        # Rank 0 tokenizes (into the cache, copied into the run folder once it has started); the others then read
+        # what it wrote.
         timings = {"start_s": time.perf_counter() - t0}  # the device resolved, the run folder checked
-        tokenizer, ds, stats = distributed.main_first(lambda: prepare(cfg, verbose=progress and main))
+        tokenizer, ds, stats = distributed.main_first(lambda: prepare(cfg, verbose=progress and main, commit=False,
+                                                                      check_run=ckpt is not None))
+        staged = stats.pop("staged", None)  # made in the cache: copied into the folder once the run has started
         say(data.preview(ds, tokenizer, stats))  # one sample as the model sees it, the masked part marked
         ds, eval_ds = distributed.main_first(lambda: split_eval(ds, cfg, tokenizer, stats))
         if eval_ds is not None:
@@ -572,6 +633,8 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
         state.update(started=True, step=step, checkpoint=ckpt)  # a signal from here on stops at a step's end
         if main and overwrite and (removed := checkpoint.remove_run(run_dir)):
             say(f"overwrite: removed the earlier run's {', '.join(removed)} from {run_dir}")
+        if main:  # the prepared data it trains on, and its record of them (data.json) that a resume checks
+            prepared.commit(run_dir, staged, stats, resumed=ckpt is not None)
         if main and ckpt is not None:  # checkpoints newer than it failed to verify: their steps are done again
             found = checkpoint.checkpoints(run_dir)
             for later in found[found.index(ckpt) + 1:]:
@@ -687,8 +750,15 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
                    # it back), build (model, adapters, wrapping), train (the steps, held-out evaluations included)
                    "timings": {**{k: round(v, 3) for k, v in timings.items()},
                                "train_s": round(time.perf_counter() - t_loop, 3), "eval_s": round(eval_total, 3)}}
+        if finishing:  # no step ran in this process: the run's own record of its last losses
+            rows = stopping.read_metrics_file(metrics_file)
+            losses_run = [r["loss"] for r in rows if r.get("loss") is not None]
+            summary.update(final_loss=losses_run[-1] if losses_run else None,
+                           eval_losses=[(r["step"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None])
+            summary["eval_loss"] = summary["eval_losses"][-1][1] if summary["eval_losses"] else None
         if step >= cfg.max_steps:  # (a signal now changes nothing: the run is finishing)
-            checkpoint.save_checkpoint(run_dir, step, model, optimizer, scheduler, position, cfg.keep_checkpoints)
+            if not finishing:  # (finishing: the final checkpoint is there, verified)
+                checkpoint.save_checkpoint(run_dir, step, model, optimizer, scheduler, position, cfg.keep_checkpoints)
             # LoRA: the PEFT adapter folder; full fine-tuning: the whole model, loadable with from_pretrained.
             weights = distributed.full_trainable(model) if distributed.is_sharded(model) else None  # all ranks
             if main:
