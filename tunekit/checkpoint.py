@@ -197,7 +197,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model, optimizer, sch
             state["optimizer"] = optimizer.state_dict()
         if main:  # last: state.pt, then meta.json with every file's size and sha256
             torch.save(state, tmp / "state.pt")
-            files = {str(f.relative_to(tmp)): {"sha256": _sha256(f), "bytes": f.stat().st_size}
+            files = {str(f.relative_to(tmp)): {"sha256": file_sha256(f), "bytes": f.stat().st_size}
                      for f in sorted(tmp.rglob("*")) if f.is_file()}
             (tmp / META).write_text(json.dumps({"step": step, "data": data_state, "files": files}, indent=1) + "\n")
     if main:
@@ -209,7 +209,8 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model, optimizer, sch
     return final
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file's bytes, read 4 MB at a time (checkpoints' and prepared data's checksums)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):
@@ -269,7 +270,7 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
             return f"{meta} is unreadable (no sha256 and size for {name})"
         if size != want["bytes"]:
             return f"{f} is truncated or overwritten: {size} bytes, {want['bytes']} were written"
-        if _sha256(f) != want["sha256"]:
+        if file_sha256(f) != want["sha256"]:
             return f"{f} is corrupt: its sha256 differs from the one recorded when it was written"
     return None
 

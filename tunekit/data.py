@@ -57,7 +57,7 @@ from tunekit.batching import (  # noqa: F401  (re-exported: data.Collator etc. k
     padding_stats,
     plan_packing,
 )
-from tunekit.checkpoint import atomic_output
+from tunekit.checkpoint import atomic_output, file_sha256
 from tunekit.config import REPO_ROOT
 from tunekit.config import cache_dir as cache_root  # `cache_dir` is also an argument name below
 
@@ -297,15 +297,6 @@ def source_digest(source: str) -> str:
     if local and path.is_file():
         return file_sha256(path)
     return f"hub:{_read_records(source)._fingerprint}"  # (a missing file: the same error as load_records)
-
-
-def file_sha256(path: Path) -> str:
-    """The sha256 of a file's bytes, read 4 MB at a time."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _file_digest(path: Path) -> str:

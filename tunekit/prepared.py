@@ -57,7 +57,7 @@ def tokenizer_source(name: str) -> str:
     if not (name and folder.is_dir()):
         return name
     files = sorted(f for f in folder.iterdir() if f.is_file() and f.name.startswith(TOKENIZER_FILES))
-    return name + "|" + "|".join(f"{f.name}:{data.file_sha256(f)}" for f in files)
+    return name + "|" + "|".join(f"{f.name}:{checkpoint.file_sha256(f)}" for f in files)
 
 
 def cache_folder(key: str) -> Path:
@@ -66,7 +66,7 @@ def cache_folder(key: str) -> Path:
 
 
 def file_sums(folder: Path) -> dict[str, str]:
-    return {str(f.relative_to(folder)): data.file_sha256(f) for f in sorted(folder.rglob("*"))
+    return {str(f.relative_to(folder)): checkpoint.file_sha256(f) for f in sorted(folder.rglob("*"))
             if f.is_file() and f.name != STATS}
 
 
@@ -80,7 +80,7 @@ def save(folder: Path, tokenizer, ds, stats: dict) -> None:
         (tmp / STATS).write_text(json.dumps({**stats, "files": file_sums(tmp)}, indent=2, default=str) + "\n")
 
 
-def _verified_stats(folder: Path, key: str | None, part: str = "") -> tuple[dict | None, str | None]:
+def _verified_stats(folder: Path, key: str | None, part: str = "", check: bool = True) -> tuple[dict | None, str | None]:
     """(stats, None) when `folder/stats.json` is for `key` (any, if None) and every file it lists under `part`
     has its sha256; (None, None) when there is no prepared folder or it was made for another key; (None,
     what is wrong) otherwise."""
@@ -98,13 +98,13 @@ def _verified_stats(folder: Path, key: str | None, part: str = "") -> tuple[dict
     files = stats.pop("files", None)
     if not isinstance(files, dict) or not files:
         return None, f"{stats_file} lists no checksums (prepared by an older tunekit)"
-    for name, want in files.items():
+    for name, want in files.items() if check else ():
         if not name.startswith(part):
             continue
         f = folder / name
         if not f.is_file():
             return None, f"{f} is missing"
-        if data.file_sha256(f) != want:
+        if checkpoint.file_sha256(f) != want:
             return None, f"{f} is corrupt or replaced: its sha256 differs from the one in {stats_file}"
     return stats, None
 
@@ -118,14 +118,15 @@ def _read_tokenizer(folder: Path, trust_remote_code: bool = False):
     return tokenizer
 
 
-def load(folder: Path, key: str, trust_remote_code: bool = False):
+def load(folder: Path, key: str, trust_remote_code: bool = False, verify: bool = True):
     """((tokenizer, dataset, stats), None) from a prepared folder made for `key` whose every file verifies;
     (None, None) when there is none for `key`; (None, what is wrong) when it is damaged. Never a traceback:
     what fails to read is a problem to report, and the caller prepares the data again. `trust_remote_code`:
-    as the run's config says (a tokenizer whose class is code in its folder)."""
+    as the run's config says (a tokenizer whose class is code in its folder). `verify=False`: the folder was
+    written a moment ago (by this `save`, or another start's of the same key), so its files are not read twice."""
     import datasets
 
-    stats, problem = _verified_stats(folder, key)
+    stats, problem = _verified_stats(folder, key, check=verify)
     if stats is None:
         return None, problem
     try:

@@ -138,7 +138,7 @@ def prepare(cfg: TuneConfig, num_proc: int | None = None, verbose: bool = True, 
         stats.update(key=key, data=cfg.data, data_sha256=digest, vocab_size=len(tokenizer))
         cached = stats.pop("cached")
         prepared.save(where, tokenizer, ds, stats)
-        found, problem = prepared.load(where, key, remote)  # memory-mapped, as every later start reads it
+        found, problem = prepared.load(where, key, remote, verify=False)  # memory-mapped, as later starts read it
         if found is None:
             raise data.DataError(f"{where}: the data just prepared cannot be read back: {problem}")
         tokenizer, ds, stats = found
