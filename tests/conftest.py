@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers import SMALL_ARCH, read_arith, write_jsonl
 
-from tunekit.config import tiny
+from tunekit.presets import tiny
 
 # ---- environment ---------------------------------------------------------------------------------
 
@@ -90,9 +90,11 @@ def small_data(tmp_path_factory, small_records) -> Path:
 @pytest.fixture(scope="session")
 def tokenizer(small_data):
     """The offline BPE the tiny preset trains on the small data (cached in the session cache)."""
-    from tunekit import data, model, train
+    from tunekit.data.records import load_records
+    from tunekit.data.tokenizer import train_tokenizer
+    from tunekit.prepare import training_texts
 
-    return model.train_tokenizer(train.training_texts(data.load_records(str(small_data))), 1024)
+    return train_tokenizer(training_texts(load_records(str(small_data))), 1024)
 
 
 @pytest.fixture

@@ -1,8 +1,8 @@
-"""Atomic writes and training checkpoints that resume exactly.
+"""Training checkpoints that resume exactly, and the run folder they live in.
 
 A checkpoint holds what a run needs to continue as if it had never stopped: the trainable weights (a
 PEFT adapter, or the full state dict), the optimizer and scheduler, every RNG state, and the data position.
-Everything is written into a temp folder and renamed into place only when complete (`atomic_output`,
+Everything is written into a temp folder and renamed into place only when complete (`io.atomic_output`,
 which every folder or file the project writes goes through), and the `latest` pointer
 is replaced atomically after that — a run killed mid-save leaves the previous checkpoint intact.
 
@@ -18,20 +18,28 @@ temps left by killed writes are removed at the next start.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import pickle
 import random
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from tunekit import distributed
 from tunekit.config import RESUME_SAFE_FIELDS, ConfigError, TuneConfig, config_dict, load_config
+from tunekit.io import (
+    CheckpointError,
+    atomic_output,
+    atomic_write_text,
+    check_writable,
+    file_sha256,
+    remove,
+    temp_path,
+)
 
 LATEST = "latest"
 META = "meta.json"
@@ -40,85 +48,8 @@ CKPT = re.compile(r"ckpt-(\d+)")
 RUN_FILES = ("config.json", "data.json", "metrics.jsonl", "summary.json", LATEST, "adapter", "model")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint file is missing, truncated or corrupt; the message names it."""
-
-
 class RunFolderError(RuntimeError):
     """The run folder holds another run, or a resume cannot continue what is there."""
-
-
-def _check_writable(path: Path) -> None:
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise OSError(f"cannot create output directory {path}: {e.strerror}. Choose another --out-dir.") from None
-    if not os.access(path, os.W_OK):
-        raise OSError(f"output directory {path} is not writable. Choose another --out-dir or fix its permissions.")
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
-
-
-def temp_path(final: str | os.PathLike, tag: str | None = None) -> Path:
-    """The temporary path `atomic_output` writes `final` into: `.<name>.<tag>.tmp` beside it, the tag being this
-    process's id unless given (processes that write into one temp folder together agree on a tag)."""
-    final = Path(final)
-    return final.with_name(f".{final.name}.{os.getpid() if tag is None else tag}.tmp")
-
-
-@contextlib.contextmanager
-def atomic_output(final: str | os.PathLike, keep_existing: bool = False, tag: str | None = None):
-    """Yield a temporary path beside `final` (`temp_path`) to write a file or folder into. If the block
-    finishes, rename it to `final`, replacing what is there — or, with `keep_existing` (caches), keeping a copy
-    another process finished first. If the block raises, nothing is left behind."""
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_path(final, tag)
-    _remove(tmp)
-    try:
-        yield tmp
-        if keep_existing and final.exists():
-            return
-        _remove(final)
-        try:
-            os.replace(tmp, final)
-        except OSError:  # a folder another process renamed into place meanwhile
-            if not (keep_existing and final.exists()):
-                raise
-    finally:
-        _remove(tmp)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write `text` to a temp file beside `path`, fsync, then rename over `path`."""
-    path = Path(path)
-    _check_writable(path.parent)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600 files; give the usual permissions
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_json(path: str | os.PathLike, obj) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
 
 
 def rng_state() -> dict:
@@ -170,13 +101,11 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model, optimizer, sch
     adds `state.pt` (scheduler, RNG, data position). Either way the folder appears complete or not at all,
     with every file's checksum in `meta.json`. `state.pt` holds only tensors and plain Python values, so
     `load_checkpoint` reads it with `weights_only=True`: no file of a checkpoint can run code when loaded."""
-    from tunekit import distributed
-
     run_dir = Path(run_dir)
     final = run_dir / f"ckpt-{step:07d}"
     sharded, main = distributed.is_sharded(model), distributed.is_main()
     if main:
-        _check_writable(run_dir)
+        check_writable(run_dir)
     # Sharded, every rank writes into the one temp folder rank 0 renames: a name they all know.
     tag = "sharded" if sharded else None
     with atomic_output(final, tag=tag) if main else contextlib.nullcontext(temp_path(final, tag)) as tmp:
@@ -207,15 +136,6 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, model, optimizer, sch
             shutil.rmtree(p, ignore_errors=True)
     distributed.barrier()  # the other ranks go on once the checkpoint is complete
     return final
-
-
-def file_sha256(path: Path) -> str:
-    """The sha256 of a file's bytes, read 4 MB at a time (checkpoints' and prepared data's checksums)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def checkpoints(run_dir: str | os.PathLike) -> list[Path]:
@@ -335,7 +255,6 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer, scheduler, verify
     path = Path(path)
     if verify and (problem := verify_checkpoint(path)):
         raise CheckpointError(f"cannot load checkpoint: {problem}")
-    from tunekit import distributed
 
     if (path / "sharded").is_dir() or distributed.is_sharded(model):
         if not ((path / "sharded").is_dir() and distributed.is_sharded(model)):
@@ -381,7 +300,7 @@ def remove_run(run_dir: str | os.PathLike) -> list[str]:
     """Delete what a run left in `run_dir` (not `prepared/`, the reusable tokenized data); return the names."""
     names = run_contents(run_dir)
     for name in names:
-        _remove(Path(run_dir) / name)
+        remove(Path(run_dir) / name)
     return names
 
 
@@ -393,7 +312,7 @@ def clean_temp(run_dir: str | os.PathLike) -> list[str]:
         return []
     found = sorted(p for p in run_dir.glob(".*.tmp"))
     for p in found:
-        _remove(p)
+        remove(p)
     return [p.name for p in found]
 
 

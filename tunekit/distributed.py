@@ -7,7 +7,7 @@ the environment, starts the process group and pins each process to its GPU; with
 is a no-op, so one code path serves one GPU and many.
 
 `parallelize` is the one place where a model becomes parallel, in a fixed order (as torchtitan's
-`parallelize` does): the model code stays single-device, and `train.build_training` calls this once.
+`parallelize` does): the model code stays single-device, and `build.apply_techniques` calls this once, last.
 
 - **DDP** (`parallel=ddp`): every rank holds the whole model; gradients are all-reduced in buckets while
   backward runs. Right when the model, its gradients and optimizer state fit one GPU — LoRA and QLoRA 7B.
@@ -16,7 +16,7 @@ is a no-op, so one code path serves one GPU and many.
   reduce-scattered. bf16 compute with fp32 gradient reduction (`MixedPrecisionPolicy`), no CPU offload.
   Right when the model does not fit one GPU with its optimizer state — full fine-tuning 7B.
 
-What the loop does differently under either (tunekit/train.py):
+What a step does differently under either (tunekit/step.py):
 - The loss is divided by the target tokens of the whole step on *all* ranks (`all_reduce_sum`, once per
   step, before any backward). DDP and FSDP average gradients over ranks, so each rank's loss is also
   multiplied by the world size: the gradients are then those of one process on the global batch, whatever
@@ -37,6 +37,10 @@ import torch
 import torch.distributed as dist
 
 from tunekit.config import PARALLEL
+from tunekit.doctor import check_socket_ifname, network_interfaces
+from tunekit.io import CheckpointError
+from tunekit.model import decoder_layers
+from tunekit.speedups import compile_step
 
 
 def world_size() -> int:
@@ -73,7 +77,6 @@ def init(device: str, timeout_s: float = 600) -> None:
     for a rank that died: the others then fail with an error instead of hanging."""
     if not launched():
         return
-    from tunekit.doctor import check_socket_ifname, network_interfaces
 
     for var in ("NCCL_SOCKET_IFNAME",) if device == "cuda" else ("GLOO_SOCKET_IFNAME",):  # else: deep in NCCL
         if problem := check_socket_ifname(os.environ.get(var, ""), network_interfaces(), var):
@@ -142,16 +145,6 @@ def choose_parallel(requested: str, method: str) -> str:
     return "fsdp" if method == "full" else "ddp"
 
 
-def decoder_layers(model) -> list[torch.nn.Module]:
-    from tunekit.model import base_model
-
-    base = base_model(model)
-    layers = getattr(getattr(base, "model", None), "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(base).__name__} has no model.layers: FSDP2 wraps each decoder block")
-    return list(layers)
-
-
 def parallelize(step_module: torch.nn.Module, model, parallel: str, device: str, dtype: torch.dtype,
                 reshard: bool = True, compile: str = "none"):
     """Compile and wrap `step_module` (the model and its loss, `train.StepModule`) for the launched world: the
@@ -159,8 +152,6 @@ def parallelize(step_module: torch.nn.Module, model, parallel: str, device: str,
     the model), then `compile` (`speedups.compile_step`: `regional` or `model`), then DDP or FSDP2. `reshard`:
     FSDP2 frees each block's gathered weights after its forward (config `fsdp_reshard`). Returns what to call:
     `step_module` itself, compiled or not, when not distributed."""
-    from tunekit.speedups import compile_step
-
     sharded = parallel == "fsdp" and dist.is_initialized() and dist.get_world_size() > 1
     if compile == "model" and sharded:
         raise ValueError("config field 'compile' = 'model': under FSDP2 each decoder block's hooks gather its "
@@ -282,8 +273,6 @@ def check_dcp_metadata(folder) -> None:
     import pickle
     from pathlib import Path
 
-    from tunekit.checkpoint import CheckpointError
-
     class Restricted(pickle.Unpickler):
         def find_class(self, module, name):
             if (obj := _dcp_global(module, name)) is None:
@@ -308,8 +297,6 @@ def load_dcp(state: dict, folder) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
-    from tunekit.checkpoint import CheckpointError
 
     class PlainValues(DefaultLoadPlanner):
         def load_bytes(self, read_item, value):
@@ -348,58 +335,3 @@ def load_sharded(model, optimizer, folder) -> None:
 
 
 # ---- the all-reduce itself: what the interconnect delivers -----------------------------------------------
-
-
-def allreduce_bandwidth(sizes_mb=(1, 16, 64, 256), iters: int = 20, warmup: int = 5,
-                        dtype: torch.dtype = torch.bfloat16) -> list[dict]:
-    """Time `dist.all_reduce` of each size (MB) on every rank; returns rows with the median seconds and the
-    bandwidths nccl-tests reports: `algbw` (bytes / time) and `busbw` (algbw x 2(n-1)/n, the traffic each
-    link carries in a ring; comparable across GPU counts and with the link's rated speed). Collective: every
-    rank calls it."""
-    import statistics
-    import time
-
-    n = world_size()
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    rows = []
-    for mb in sizes_mb:
-        x = torch.ones(int(mb * 2**20) // torch.tensor([], dtype=dtype).element_size(), dtype=dtype, device=device)
-        times = []
-        for i in range(warmup + iters):
-            if device == "cuda":
-                torch.cuda.synchronize()
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_reduce(x)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-        t = statistics.median(times)
-        size = x.numel() * x.element_size()
-        rows.append({"mb": mb, "seconds": round(t, 6), "algbw_gbps": round(size / t / 1e9, 2),
-                     "busbw_gbps": round(size / t / 1e9 * 2 * (n - 1) / n, 2)})
-    return rows
-
-
-NCCL_VARS = ("NCCL_IB_DISABLE", "NCCL_SOCKET_IFNAME", "NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_NVLS_ENABLE",
-             "NCCL_P2P_LEVEL", "NCCL_ALGO", "NCCL_PROTO")
-
-
-def run_commbench(name: str, sizes_mb=(1, 16, 64, 256), device: str = "auto") -> dict | None:
-    """`tunekit commbench` under torchrun: the all-reduce bandwidth of this launch, with the NCCL variables
-    it ran under. Rank 0 returns the result, the others None."""
-    from tunekit.model import resolve_device
-    from tunekit.results import new_result
-
-    init(resolve_device(device))
-    if world_size() < 2:
-        raise RuntimeError("commbench measures an all-reduce between processes: launch it with torchrun "
-                           "--nproc_per_node 2 (or more) -m tunekit.cli commbench")
-    rows = allreduce_bandwidth(sizes_mb)
-    if not is_main():
-        return None
-    env = {v: os.environ[v] for v in NCCL_VARS if v in os.environ}
-    return new_result(name, None, None, None, call=f"distributed.run_commbench({name!r}, {tuple(sizes_mb)!r})",
-                      backend=dist.get_backend(), nccl_env=env, rows=rows,
-                      busbw_gbps=max(r["busbw_gbps"] for r in rows))

@@ -6,7 +6,7 @@ gradients, the activations autograd saves and the loss's logits. `estimate_max_b
 largest micro-batch that fits a GPU, `cannot_fit_message` into what to change when nothing does.
 
 How it was checked: the activation model against the tensors autograd really saves on a tiny model, to the
-byte; the whole peak against every published H200 step result (tests/test_memory.py, both).
+byte; the whole peak against every published H200 step result (tests/unit/test_memory.py, both).
 
 ## The parts
 
@@ -23,7 +23,7 @@ byte; the whole peak against every published H200 step result (tests/test_memory
   bytes in all.
 - gradients: one per trainable parameter, in its dtype.
 - activations: what autograd saves for backward, counted tensor by tensor from the code path and checked
-  exactly against `saved_tensors_hooks` on a tiny model (tests/test_memory.py). Per decoder layer, with
+  exactly against `saved_tensors_hooks` on a tiny model (tests/unit/test_memory.py). Per decoder layer, with
   B*S tokens, width H, MLP width I: each RMSNorm saves its fp32 upcast (4 B*S*H) and rstd; q, k, v after
   RoPE, the attention output and a fused kernel's fp32 logsumexp (eager attention and SDPA's math kernel
   instead keep every score twice, fp32 and bf16: 6 B*heads*S*S bytes); SwiGLU saves gate, up and silu(gate)
@@ -44,7 +44,7 @@ byte; the whole peak against every published H200 step result (tests/test_memory
 
 The peak is the largest of three moments: the loss (all saved activations + the loss's own), the first
 recomputed layer under checkpointing (saved inputs + one layer + gradients), and the end of backward (all
-gradients; matters only for full fine-tuning). tests/test_memory.py checks it against every published
+gradients; matters only for full fine-tuning). tests/unit/test_memory.py checks it against every published
 result file in notebooks/results: all within 15%, most within 4%; full fine-tuning is the worst (+13%, an
 overestimate), a few QLoRA steps are up to 7% under.
 
@@ -61,11 +61,12 @@ under the budget (see `reserve_factor_of` for how the factor is taken from the r
 
 from __future__ import annotations
 
-import statistics
+import dataclasses
 
 from tunekit.config import OPTIMIZERS
+from tunekit.distributed import choose_parallel
 from tunekit.loss import chunk_tokens
-from tunekit.speedups import state_bytes_per_param
+from tunekit.optim import state_bytes_per_param
 
 # ---- the parts of the peak ----------------------------------------------------------------------------
 
@@ -254,33 +255,73 @@ def estimate_memory(hidden: int, layers: int, heads: int, kv_heads: int, interme
     return parts
 
 
-def estimate_memory_for(hidden_size: int, num_layers: int, num_heads: int, intermediate_size: int,
-                        vocab_size: int, max_length: int, batch_size: int, method: str, num_kv_heads: int = 0,
-                        lora_r: int = 16, lora_targets: str = "all-linear", grad_ckpt: bool = False,
-                        loss: str = "chunked", lora_input_cast: bool = False, grad_ckpt_offload: bool = False,
-                        optimizer: str = "adamw", peft_kbit_prepare: bool = False, embed_offload: bool = False,
-                        attention: str = "auto", sdpa_backend: str = "auto", world_size: int = 1,
-                        parallel: str = "auto", fsdp_reshard: bool = True, dtype: str = "auto",
-                        **_ignored) -> dict:
-    """`estimate_memory` from TuneConfig field names, so `estimate_memory_for(**config_dict(cfg))` works
-    (other fields are ignored; `vocab_size` must be set: a tokenizer's size is unknown before loading).
-    `world_size`: the GPUs of a torchrun launch (`parallel` auto resolves as training does). The estimate
-    is of a GPU step in bf16 (or fp16): an fp32 one is refused, not guessed."""
-    from tunekit.distributed import choose_parallel
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What a step's memory depends on, in TuneConfig's field names: the model's shape, the micro-batch, the
+    method and the options that change memory, and the GPUs of a torchrun launch. `Setup.of(cfg)` takes them
+    from a config (or a result file's config dict); a misspelled name is an error, never dropped."""
 
-    if not vocab_size:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_length: int
+    batch_size: int
+    method: str
+    num_kv_heads: int = 0
+    lora_r: int = 16
+    lora_targets: str = "all-linear"
+    grad_ckpt: bool = False
+    loss: str = "chunked"
+    lora_input_cast: bool = False
+    grad_ckpt_offload: bool = False
+    optimizer: str = "adamw"
+    peft_kbit_prepare: bool = False
+    embed_offload: bool = False
+    attention: str = "auto"
+    sdpa_backend: str = "auto"
+    world_size: int = 1
+    parallel: str = "auto"
+    fsdp_reshard: bool = True
+    dtype: str = "auto"
+
+    @classmethod
+    def of(cls, cfg, world_size: int = 1, **changes) -> Setup:
+        """The setup of a `TuneConfig` or of a config dict (a result file's): its fields of these names, on
+        `world_size` GPUs, with `changes`."""
+        source = cfg if isinstance(cfg, dict) else dataclasses.asdict(cfg)
+        names = {f.name for f in dataclasses.fields(cls)} - {"world_size"}
+        return cls(**{**{n: source[n] for n in names if n in source}, "world_size": world_size, **changes})
+
+    def but(self, **changes) -> Setup:
+        """This setup with `changes` (`setup.but(batch_size=1)`)."""
+        return dataclasses.replace(self, **changes)
+
+
+def estimate_memory_for(setup: Setup | None = None, /, *args, **fields) -> dict:
+    """`estimate_memory` of a `Setup` (`estimate_memory_for(Setup.of(cfg))`), or of a setup given by its fields
+    (`estimate_memory_for(4096, 32, 32, 11008, 32000, 2048, 4, "lora", grad_ckpt=True)`), with `fields` changed.
+    `vocab_size` must be set: a tokenizer's size is unknown before loading. `world_size`: the GPUs of a torchrun
+    launch (`parallel` auto resolves as training does). The estimate is of a GPU step in bf16 (or fp16): an fp32
+    one is refused, not guessed."""
+    if isinstance(setup, Setup):
+        s = setup.but(**fields) if fields else setup
+    else:
+        s = Setup(*((setup, *args) if setup is not None else args), **fields)
+    if not s.vocab_size:
         raise ValueError("vocab_size is 0 (the tokenizer's size); pass the vocabulary size explicitly")
-    if dtype == "fp32":
+    if s.dtype == "fp32":
         raise ValueError("dtype fp32: the estimator models bf16/fp16 steps (weights and activations of 2 bytes); "
                          "measure an fp32 step with `tunekit bench` instead")
-    return estimate_memory(hidden_size, num_layers, num_heads, num_kv_heads or num_heads, intermediate_size,
-                           vocab_size, max_length, batch_size, method, lora_r, lora_targets, grad_ckpt,
-                           optimizer=optimizer, loss=loss, lora_input_cast=lora_input_cast,
-                           offload=grad_ckpt_offload, kbit_prepare=peft_kbit_prepare,
-                           embed_offload=embed_offload,
-                           attention_scores=attention == "eager" or sdpa_backend.split(",")[0].strip() == "math",
-                           world_size=world_size, parallel=choose_parallel(parallel, method),
-                           fsdp_reshard=fsdp_reshard)
+    return estimate_memory(s.hidden_size, s.num_layers, s.num_heads, s.num_kv_heads or s.num_heads, s.intermediate_size,
+                           s.vocab_size, s.max_length, s.batch_size, s.method, s.lora_r, s.lora_targets, s.grad_ckpt,
+                           optimizer=s.optimizer, loss=s.loss, lora_input_cast=s.lora_input_cast,
+                           offload=s.grad_ckpt_offload, kbit_prepare=s.peft_kbit_prepare,
+                           embed_offload=s.embed_offload,
+                           attention_scores=s.attention == "eager" or s.sdpa_backend.split(",")[0].strip() == "math",
+                           world_size=s.world_size, parallel=choose_parallel(s.parallel, s.method),
+                           fsdp_reshard=s.fsdp_reshard)
 
 
 def format_estimate(est: dict) -> str:
@@ -289,99 +330,3 @@ def format_estimate(est: dict) -> str:
     body = ", ".join(f"{k} {est[k] / 1e9:.2f}" for k in keys if est[k])
     return f"{body} -> peak {est['total'] / 1e9:.2f} GB at {est['peak_at']}"
 
-
-# ---- what fits -----------------------------------------------------------------------------------------
-
-# What the caching allocator reserves per byte allocated, at a step's peak: the 90th percentile of
-# peak_reserved_gb / peak_memory_gb over the published step results (`reserve_factor_of` on
-# notebooks/results/*.json, H200: 1.209 on 2026-11-30; 1.180 on 2026-12-01 with the speed push's step results,
-# rounded to 1.18; the median 1.09, then 1.07). Nine in ten of
-# those steps reserved no more than this; a cap binds on reserved memory, so a batch is said to fit when
-# RESERVE_FACTOR x its estimate does. tests/test_memory.py re-derives it from the files.
-RESERVE_FACTOR = 1.18
-
-
-def reserve_factor_of(results: list[dict], quantile: float = 0.9) -> float:
-    """The `quantile` of reserved / allocated peak memory over results that record both (`peak_reserved_gb`,
-    `peak_memory_gb`): how `RESERVE_FACTOR` was derived."""
-    ratios = [r["peak_reserved_gb"] / r["peak_memory_gb"] for r in results
-              if r.get("peak_reserved_gb") and r.get("peak_memory_gb")]
-    if len(ratios) < 2:
-        raise ValueError("reserve_factor_of needs at least two results with peak_reserved_gb and peak_memory_gb")
-    return statistics.quantiles(ratios, n=100, method="inclusive")[round(quantile * 100) - 1]
-
-
-def largest_fitting(fits, limit: int = 4096) -> int:
-    """The largest n in [1, limit] with `fits(n)` true, assuming that fitting is monotonic (if n fits, so
-    does every smaller n): double from 1 until something does not fit, then bisect. 0 when 1 does not fit.
-    About 2 log2(answer) calls."""
-    if not fits(1):
-        return 0
-    good = 1
-    while good * 2 <= limit and fits(good * 2):
-        good *= 2
-    bad = min(good * 2, limit + 1)
-    while bad - good > 1:
-        mid = (good + bad) // 2
-        good, bad = (mid, bad) if fits(mid) else (good, mid)
-    return good
-
-
-def estimate_max_batch(config: dict, budget_bytes: float, limit: int = 4096,
-                       reserve_factor: float = RESERVE_FACTOR) -> int:
-    """The largest micro-batch whose estimated peak (`estimate_memory_for(**config)`) times `reserve_factor`
-    fits `budget_bytes` of memory the allocator may reserve (a GPU's memory or a `memory.memory_cap`); 0 when
-    even 1 does not. `reserve_factor=1` answers for allocated memory alone. `config` is a `config_dict`."""
-    def fits(b: int) -> bool:
-        return estimate_memory_for(**{**config, "batch_size": b})["total"] * reserve_factor <= budget_bytes
-
-    return largest_fitting(fits, limit)
-
-
-def grad_accum_for(target_batch: int, micro_batch: int, world_size: int = 1) -> int:
-    """Micro-batches per step so that micro_batch * accum * world_size reaches at least `target_batch`."""
-    return max(1, -(-target_batch // (micro_batch * world_size)))
-
-
-def cannot_fit_message(config: dict, budget_bytes: float, reserve_factor: float = RESERVE_FACTOR) -> str:
-    """Why a config does not fit `budget_bytes` even at micro-batch 1, and the changes that would, each
-    with its estimated peak at batch 1 (changes are tried alone, then in the usual order of cost). As in
-    `estimate_max_batch`, a peak fits when `reserve_factor` times it is within the budget."""
-    def peak(**change) -> float:
-        return estimate_memory_for(**{**config, "batch_size": 1, **change})["total"]
-
-    base = peak()
-    lines = [(f"even micro-batch 1 does not fit: the estimated peak is {base / 1e9:.1f} GB allocated, "
-              f"~{base * reserve_factor / 1e9:.1f} GB reserved, at seq {config['max_length']}, against "
-              f"{budget_bytes / 1e9:.1f} GB allocatable. Peaks below are allocated memory; one fits when "
-              f"{reserve_factor:g}x it (reserved) does.")]
-    budget_bytes = budget_bytes / reserve_factor  # from here on, compare allocated peaks
-    options: list[tuple[str, dict]] = []
-    if not config.get("grad_ckpt"):
-        options.append(("--grad-ckpt (recompute activations in backward)", {"grad_ckpt": True}))
-    if config.get("method") in ("full", "lora"):
-        options.append(("--method qlora (4-bit base weights)", {"method": "qlora"}))
-    if config.get("loss") == "plain":
-        options.append(("--loss chunked (no full logits)", {"loss": "chunked"}))
-    if config.get("grad_ckpt") and not config.get("grad_ckpt_offload"):
-        options.append(("--grad-ckpt-offload (checkpoints in CPU memory)", {"grad_ckpt_offload": True}))
-    if config.get("method") != "full" and not config.get("embed_offload"):
-        options.append(("--embed-offload (embeddings and LM head in CPU memory)", {"embed_offload": True}))
-    if config.get("optimizer") == "adamw" and config.get("method") != "full":
-        options.append(("--optimizer adamw8bit", {"optimizer": "adamw8bit"}))
-    seq = config["max_length"]
-    while seq > 128 and peak(max_length=seq) > budget_bytes:
-        seq //= 2
-    if seq != config["max_length"] and peak(max_length=seq) <= budget_bytes:
-        options.append((f"--max-length {seq} (shorter sequences)", {"max_length": seq}))
-    applied: dict = {}
-    for label, change in options:
-        alone = peak(**change)
-        applied.update(change)
-        together = peak(**applied)
-        verdict = "fits" if alone <= budget_bytes else "does not fit"
-        lines.append(f"  {label}: {alone / 1e9:.1f} GB alone, {verdict}; "
-                     f"with the changes above too: {together / 1e9:.1f} GB")
-    if len(lines) == 1:
-        lines.append("  nothing tunekit can change fits it: use a GPU with more memory or shard across GPUs.")
-    return "\n".join(lines)

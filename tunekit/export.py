@@ -15,9 +15,16 @@ from pathlib import Path
 
 import torch
 
-from tunekit import checkpoint, data, runlock
+from tunekit import checkpoint, runlock
 from tunekit import model as mdl
+from tunekit.build import run_arch
 from tunekit.config import TuneConfig, load_config
+from tunekit.data import prepared
+from tunekit.data.layouts import detect_layout, format_prompt
+from tunekit.data.records import load_records
+from tunekit.hub import check_weights
+from tunekit.io import atomic_output, atomic_write_json
+from tunekit.prepare import build_tokenizer
 
 # Written into every export folder: what a later export may replace without asking.
 EXPORT_RECORD = "export.json"
@@ -33,9 +40,6 @@ def run_tokenizer(cfg: TuneConfig, run_dir: str | Path):
     recorded one (saying so). Another tokenizer would turn the model's ids into other text: refused, naming
     the file."""
     import sys
-
-    from tunekit import prepared
-    from tunekit.train import build_tokenizer
 
     run_dir = Path(run_dir)
     want = (prepared.read_record(run_dir) or {}).get("tokenizer_sha256")
@@ -63,8 +67,6 @@ def base_model_of(cfg: TuneConfig, vocab_size: int, device: str, dtype: torch.dt
     saved random-init checkpoint its 4-bit load read; LoRA: rebuilt from the seed, as training built it).
     `trust_remote_code` is the caller's, never the run's config.json: a run folder from elsewhere cannot
     switch it on."""
-    from tunekit.train import run_arch
-
     arch = run_arch(cfg, vocab_size)
     if cfg.model:
         return mdl.build_model(None, cfg.model, dtype, device, trust_remote_code=trust_remote_code)
@@ -97,7 +99,7 @@ def load_run(run_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torc
         return model.eval(), tokenizer, cfg
     if not (run_dir / "adapter" / "adapter_config.json").exists():
         raise FileNotFoundError(f"{run_dir}/adapter: no saved adapter; the run has not finished (resume it)")
-    mdl.check_weights(run_dir / "adapter")  # before the base model is built: a bad adapter fails at once
+    check_weights(run_dir / "adapter")  # before the base model is built: a bad adapter fails at once
     base = base_model_of(cfg, len(tokenizer), device, dtype, trust_remote_code)
     return mdl.load_adapter(base, run_dir / "adapter").eval(), tokenizer, cfg
 
@@ -172,10 +174,10 @@ def _merge_run(run_dir: Path, out: Path, device: str, dtype: torch.dtype, tokens
     ids = random_ids(tokenizer)
     want = model(input_ids=ids).logits.float()
     merged = mdl.merge_adapter(model, None, dtype)
-    with checkpoint.atomic_output(out) as tmp:  # weights, tokenizer and the record together, or nothing
+    with atomic_output(out) as tmp:  # weights, tokenizer and the record together, or nothing
         merged.save_pretrained(tmp)
         tokenizer.save_pretrained(str(tmp))
-        checkpoint.atomic_write_json(tmp / EXPORT_RECORD, {"run_dir": str(run_dir.resolve()), "dtype": str(dtype)})
+        atomic_write_json(tmp / EXPORT_RECORD, {"run_dir": str(run_dir.resolve()), "dtype": str(dtype)})
     got = merged(input_ids=ids).logits.float()
     reloaded = mdl.build_model(None, str(out), dtype, device).eval()(input_ids=ids).logits.float()
     scale = want.abs().max().item()
@@ -210,6 +212,6 @@ def generate(run_dir: str | Path, prompts: list[str], max_new_tokens: int = 64, 
 
 def prompts_from(source: str, n: int = 3, fields: str = "") -> list[tuple[str, str]]:
     """(prompt, reference answer) of the first `n` records of a dataset, the prompt as training renders it."""
-    records = data.load_records(source, fields=fields)
-    prompt_fields, response_field = data.detect_layout(records.column_names, source)
-    return [(data.format_prompt(records[i], prompt_fields), records[i][response_field]) for i in range(min(n, len(records)))]
+    records = load_records(source, fields=fields)
+    prompt_fields, response_field = detect_layout(records.column_names, source)
+    return [(format_prompt(records[i], prompt_fields), records[i][response_field]) for i in range(min(n, len(records)))]

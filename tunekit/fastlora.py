@@ -34,13 +34,12 @@ option (`attach(group=True)`, `--fast-lora-group`), not the default: `s14_lora_g
 
 `attach` swaps the forward of each peft LoRA `Linear` (a plain `nn.Linear` base, one adapter, no dropout) for
 this one; the parameters, the saved adapter and `merge_and_unload` are peft's, unchanged. A merged or disabled
-adapter goes back to peft's forward. tests/test_fastlora.py checks the loss and gradients against peft's path:
+adapter goes back to peft's forward. tests/unit/test_fastlora.py checks the loss and gradients against peft's path:
 equal in fp32, within FP8's rounding with FP8.
 """
 
 from __future__ import annotations
 
-import os
 import types
 
 import torch
@@ -76,9 +75,9 @@ def mm8(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tens
 # the addition that follows into `addmm` whenever a user of the sum is not elementwise (attention's inputs, the
 # views before RoPE), and cuBLAS's `addmm` first copies the full-size addend (the FP8 matmul's output) to its
 # output; as `bmm` the addition stays elementwise and fuses into its neighbours. Same numbers either way. (With
-# bf16 weights the base product is itself an `mm`, so the fold would only move onto it.) False, or the
-# environment's TUNEKIT_LORA_BMM=0 (to time both in one session): plain `mm`.
-LORA_BMM = os.environ.get("TUNEKIT_LORA_BMM", "1") != "0"
+# bf16 weights the base product is itself an `mm`, so the fold would only move onto it.) False: plain `mm` (the
+# command line sets it from TUNEKIT_LORA_BMM=0, to time both; a script sets it here).
+LORA_BMM = True
 
 
 def add_lora(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fp8: bool) -> torch.Tensor:

@@ -15,14 +15,14 @@ Liger Kernel's fused linear cross-entropy (https://arxiv.org/abs/2410.10989), he
 
 The numbers are those of the plain path: the logits come from the same bf16 matmul and are upcast to
 fp32 for the softmax, and the gradient goes back through the head in the head's dtype, as autocast does
-(tests/test_loss.py compares losses and gradients).
+(tests/unit/test_loss.py compares losses and gradients).
 """
 
 from __future__ import annotations
 
 import torch
 
-from tunekit.batching import IGNORE  # the label the loss skips, defined with the data that sets it
+from tunekit.data.batching import IGNORE  # the label the loss skips, defined with the data that sets it
 from tunekit.model import base_model
 
 DEFAULT_CHUNK_ELEMENTS = 2**25  # logits per chunk: 1024 tokens at a 32k vocabulary, ~0.27 GB in fp32

@@ -1,17 +1,19 @@
 """Result files: one writer for every published figure, the code that made it, and when one may be reused.
 
-Every measurement the course publishes is one JSON file in `notebooks/results/`. `new_result` builds the
-part every file shares — the keys any tool can read (`REQUIRED_KEYS`), the date, GPU, package versions,
-the resolved config, and the *provenance*: the git commit and whether `tunekit/` differed from it, a hash of
-the library's source (`code_hash`), and the entry point and call that produced it. Nothing else builds that
-header, so a figure can always be traced to the code and the command behind it.
+Every measurement is one JSON file (the course publishes its own in `notebooks/results/`). `new_result` builds
+the part every file shares — the keys any tool can read (`REQUIRED_KEYS`), the date, GPU, package versions,
+the resolved config, and the *provenance*: the git commit and whether the code differed from it, a hash of
+the code that measured (`code_hash`: the library, every `tunekit/**/*.py`, plus the files of an experiment
+outside it, named in `code_files`), and the entry point and call that produced it. Nothing else builds that
+header, so a figure can always be traced to the code and the command behind it. The course's own files
+(claims, README tables, lesson plans) are not in the hash: editing them changes no measurement.
 
 A result is reused instead of re-measured (`reusable`) only when its config, GPU, package versions *and*
-`code_hash` all match: a change anywhere in `tunekit/` re-measures everything that depends on it.
+`code_hash` all match: a change anywhere in the library re-measures everything that depends on it.
 
 On a machine given a copy of the tree (the GPU machine), set `TUNEKIT_COMMIT` to the full hash of the commit
 the copy was made from and `TUNEKIT_DIRTY=0` if it had no uncommitted changes; they take precedence over
-git. `code_hash` is computed there from the files themselves, and `tests/test_results.py` checks it against
+git. `code_hash` is computed there from the files themselves, and `tests/unit/test_results.py` checks it against
 the recorded commit, so a wrong commit cannot go unnoticed.
 """
 
@@ -26,13 +28,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tunekit.checkpoint import atomic_write_json
-from tunekit.config import REPO_ROOT, TuneConfig, config_dict
+from tunekit import distributed
+from tunekit.config import TuneConfig, config_dict
+from tunekit.io import atomic_write_json
 
 REQUIRED_KEYS = ("name", "preset", "gpu", "world_size", "tokens_per_s", "peak_memory_gb", "date")
 PROVENANCE_KEYS = ("commit", "dirty", "code_hash", "entry", "call")
-LIBRARY = REPO_ROOT / "tunekit"
-RESULTS = REPO_ROOT / "notebooks" / "results"  # the published results
+LIBRARY = Path(__file__).resolve().parent  # tunekit/
+CHECKOUT = LIBRARY.parent  # what git is asked about, and what `code_files` are relative to
 
 
 # ---- provenance ------------------------------------------------------------------------------------------
@@ -46,21 +49,24 @@ def source_hash(files: dict[str, bytes]) -> str:
     return h.hexdigest()[:16]
 
 
-def code_hash(root: Path = LIBRARY) -> str:
-    """The hash of the library's Python source as it is on disk now."""
-    return source_hash({p.name: p.read_bytes() for p in sorted(root.glob("*.py"))})
+def code_hash(root: Path = LIBRARY, code_files: tuple[str, ...] | list[str] = ()) -> str:
+    """The hash of the library's Python source as it is on disk now: every `*.py` under `root`, named by its path
+    inside it (so a hash of a flat `tunekit/` is what it was before the library had folders), and the
+    `code_files` (paths inside the checkout) of an experiment that lives outside it."""
+    files = {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*.py"))}
+    return source_hash({**files, **{name: (root.parent / name).read_bytes() for name in code_files}})
 
 
 def _git(*args: str) -> str | None:
     try:
-        out = subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True, timeout=10)
+        out = subprocess.run(["git", "-C", str(CHECKOUT), *args], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
 
 
 def git_state() -> tuple[str | None, bool | None]:
-    """(commit, whether tunekit/ differs from it): $TUNEKIT_COMMIT / $TUNEKIT_DIRTY when set, else git.
+    """(commit, whether the code differs from it): $TUNEKIT_COMMIT / $TUNEKIT_DIRTY when set, else git.
 
     The variables win over git because a copy of the tree can carry a stale `.git`: on the GPU machine the
     copy's `.git` said HEAD was the session's first commit, so git reported that commit, dirty."""
@@ -69,7 +75,7 @@ def git_state() -> tuple[str | None, bool | None]:
         return commit, (None if dirty is None else dirty not in ("0", "false", ""))
     commit = _git("rev-parse", "HEAD")
     if commit:
-        return commit, bool(_git("status", "--porcelain", "--", "tunekit"))
+        return commit, bool(_git("status", "--porcelain", "--", "tunekit", "tunekit_course"))
     return None, None
 
 
@@ -82,16 +88,22 @@ def entry_point() -> str:
     # the command, with the variables that change what the code does (`BEHAVIOUR_ENV`) in front
     command = " ".join([*(f"{k}={os.environ[k]}" for k in BEHAVIOUR_ENV if k in os.environ), "tunekit",
                         *sys.argv[1:]]) if argv0 in ("tunekit", "cli.py") else None
-    if nb := os.environ.get("TUNEKIT_NOTEBOOK"):  # set by tunekit.notebook.execute, inherited by its children
-        return f"notebook {nb} (python -m tunekit.notebook {nb})" + (f": {command}" if command else "")
+    if nb := os.environ.get("TUNEKIT_NOTEBOOK"):  # set by tunekit_course.notebook.execute, inherited by its children
+        return f"notebook {nb} (python -m tunekit_course.notebook {nb})" + (f": {command}" if command else "")
     if command:
         return command
     return " ".join(["python", *sys.argv]) if argv0 else "python (interactive)"
 
 
-def provenance(call: str = "") -> dict:
+def provenance(call: str = "", code_files: tuple[str, ...] | list[str] = ()) -> dict:
     commit, dirty = git_state()
-    return {"commit": commit, "dirty": dirty, "code_hash": code_hash(), "entry": entry_point(), "call": call}
+    return {"commit": commit, "dirty": dirty, "code_hash": code_hash(code_files=code_files), "entry": entry_point(),
+            "call": call, **({"code_files": list(code_files)} if code_files else {})}
+
+
+def code_file(module_file: str) -> str:
+    """A module's file as `code_files` names it: its path inside the checkout (`tunekit_course/databench.py`)."""
+    return Path(module_file).resolve().relative_to(CHECKOUT).as_posix()
 
 
 # ---- the header every result file shares ----------------------------------------------------------------
@@ -119,18 +131,17 @@ def versions() -> dict:
 
 
 def new_result(name: str, cfg: TuneConfig | None, tokens_per_s: float | None, peak_memory_gb: float | None,
-               call: str = "", world_size: int | None = None, **fields) -> dict:
+               call: str = "", world_size: int | None = None, code_files: tuple[str, ...] = (), **fields) -> dict:
     """A result dict: the shared header (required keys, date, provenance) then `fields`, config and versions.
     `world_size` defaults to the processes of the running process group (1 without one); `tokens_per_s` is
-    per GPU."""
-    from tunekit import distributed
-
+    per GPU. `code_files`: the files outside the library that the measurement ran (an experiment of the
+    course's: `code_file(__file__)`), hashed with the library."""
     return {
         "name": name, "preset": cfg.preset if cfg else "-", "gpu": gpu_name(),
         "world_size": world_size or distributed.world_size(),
         "tokens_per_s": tokens_per_s, "peak_memory_gb": peak_memory_gb,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        **provenance(call), **fields,
+        **provenance(call, code_files), **fields,
         "config": config_dict(cfg) if cfg else None, "versions": versions(),
     }
 
@@ -177,7 +188,8 @@ def reusable(path: str | Path, cfg: TuneConfig) -> dict | None:
         return None
     old = json.loads(path.read_text())
     same = (old.get("config") == config_dict(cfg) and old.get("gpu") == gpu_name()
-            and old.get("code_hash") == code_hash() and old.get("versions") == versions())
+            and old.get("code_hash") == code_hash(code_files=old.get("code_files", ()))
+            and old.get("versions") == versions())
     return old if same else None
 
 
@@ -216,7 +228,7 @@ def compare(a: dict, b: dict, noise: dict[str, dict] | None = None, key: str = "
 
 def format_table(results: list[dict]) -> str:
     """A markdown table: one row a step result. `spread` is half the interquartile range of the step times
-    over their median; `commit` is the code that measured it (`+`: with uncommitted changes in tunekit/)."""
+    over their median; `commit` is the code that measured it (`+`: with uncommitted changes to it)."""
     def mfu(r: dict) -> str:
         return "" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
 
@@ -228,9 +240,7 @@ def format_table(results: list[dict]) -> str:
         if c.get("grad_ckpt"):
             parts.append("ckpt")
         if r.get("world_size", 1) > 1:
-            from tunekit.distributed import choose_parallel
-
-            parts.append(f"{choose_parallel(c.get('parallel', 'auto'), c.get('method', 'lora'))} x{r['world_size']}")
+            parts.append(f"{distributed.choose_parallel(c.get('parallel', 'auto'), c.get('method', 'lora'))} x{r['world_size']}")
         return ", ".join(parts)
 
     def spread(r: dict) -> str:

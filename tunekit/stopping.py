@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 
 from tunekit import checkpoint
+from tunekit.io import check_writable
 
 # What stops a run as Ctrl-C does: SIGINT, SIGTERM (a scheduler, `kill`, a spot GPU taken away) and SIGHUP (the
 # SSH session to a rented GPU closed, the commonest way a run dies there, and by default an instant death).
@@ -126,7 +127,7 @@ def removed_if_left_empty(run_dir: Path):
     """Create `run_dir` (checking that it can be written) and, if the run fails to start, leave no empty
     folder behind."""
     created = not run_dir.exists()
-    checkpoint._check_writable(run_dir)
+    check_writable(run_dir)
     try:
         yield
     finally:

@@ -1,0 +1,182 @@
+"""The claims: verdicts computed from result files, "unmeasured" without them, the README rendered from them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tunekit_course import claims
+
+
+def step(name: str, tps: float, gb: float, batch: int = 4, spread: float = 0.0, **extra) -> dict:
+    return {"name": name, "tokens_per_s": tps, "peak_memory_gb": gb, "step_time_s": 1.0,
+            "step_time_spread": spread, "config": {"batch_size": batch}, **extra}
+
+
+def test_c8_parts():
+    rs = {r["name"]: r for r in (step("l2_lora_b4", 1000, 60), step("l2_lora_ckpt_b4", 700, 18),
+                                 step("l2_lora_ckpt_b8", 710, 22, batch=8))}
+    v = claims.judge("C8", rs)
+    # saves 70% (>= 30%: holds), costs 30% (within 10-30%: holds), 2x batch 0.71x: not faster -> partly
+    assert v.verdict == "partly" and "saves 70%" in v.evidence and "costs 30%" in v.evidence
+    assert "not faster" in v.evidence and v.files == ("l2_lora_b4", "l2_lora_ckpt_b4", "l2_lora_ckpt_b8")
+    rs["l2_lora_ckpt_b8"] = step("l2_lora_ckpt_b8", 1200, 22, batch=8)
+    assert claims.judge("C8", rs).verdict == "holds"
+    # a 2% gain inside a 5% step spread is not "faster"
+    rs["l2_lora_ckpt_b8"] = step("l2_lora_ckpt_b8", 1020, 22, batch=8, spread=0.05)
+    v = claims.judge("C8", rs)
+    assert "same within noise" in v.evidence and "not faster" in v.evidence
+
+
+def test_method_claims_use_the_fastest_default_step():
+    rs = {r["name"]: r for r in (
+        step("l2_full_b4", 1000, 90), step("l2_full_ckpt_b1", 500, 54, batch=1),
+        step("l2_lora_b4", 1300, 60), step("l2_lora_ckpt_b1", 400, 15, batch=1),
+        step("l2_lora_b4_something_else", 9999, 1))}  # not a default-step name: ignored
+    v = claims.judge("C5", rs)
+    assert v.verdict == "memory holds, speed does not"
+    assert "l2_lora_b4, 1,300 tok/s) is 1.30x" in v.evidence and "15.00 GB" in v.evidence
+
+
+def test_missing_results_read_unmeasured():
+    assert claims.judge("C8", {}).verdict == "unmeasured"
+    assert "l2_lora_b4.json" in claims.judge("C8", {}).evidence
+    assert claims.judge("C13", {}).verdict == "unmeasured"
+    table = claims.claims_table({})
+    assert table.count("**unmeasured**") == len(claims.CLAIMS)
+
+
+def test_a_broken_result_is_an_error_not_unmeasured():
+    rs = {"l2_lora_b4": {"name": "l2_lora_b4"}, "l2_lora_ckpt_b4": {}, "l2_lora_ckpt_b8": {}}
+    with pytest.raises(KeyError):
+        claims.judge("C8", rs)
+
+
+def test_reference_table_marks_cited_figures():
+    cite = {"p": {"id": "p", "stack": "plain HF + peft", "setup": "LoRA, batch 4", "matches": "l2_lora_b4",
+                  "tokens_per_s": 1000, "peak_memory_gb": 65.7, "source": "somewhere, table 1", "date": "d"}}
+    table = claims.reference_table({"l2_lora_b4": step("l2_lora_b4", 1500, 59.5)}, cite)
+    assert "plain HF + peft *(cited)*" in table and "1,500 tok/s, 59.50 GB" in table and "| 1.50x |" in table
+    assert "Cited figures: somewhere" in table
+    assert "unmeasured" in claims.reference_table({}, cite)
+
+
+def test_render_readme_replaces_blocks_and_needs_them():
+    text = "a\n<!-- headline:start -->\n<!-- headline:end -->\n<!-- epochs:start -->\n<!-- epochs:end -->\n" \
+           "<!-- results:start -->\nOLD-BLOCK\n<!-- results:end -->\n<!-- claims:start -->\n<!-- claims:end -->\n" \
+           "<!-- reference:start -->\n<!-- reference:end -->\n<!-- speedpush:start -->\n<!-- speedpush:end -->\nz\n"
+    out = claims.render_readme(text, {})
+    assert "OLD-BLOCK" not in out and "| # | the article says |" in out and "14 days -> 3 (C16): unmeasured" in out
+    assert out.startswith("a\n") and out.endswith("z\n")
+    assert claims.render_readme(out, {}) == out
+    with pytest.raises(ValueError, match="headline:start"):
+        claims.render_readme("no blocks", {})
+
+
+def _compare(name, method, ckpt, stacks):
+    rows = [{"stack": k, "tokens_per_s": v[0], "peak_memory_gb": v[1], "first_loss": 10.4} for k, v in stacks.items()]
+    ok = {r["stack"]: r for r in rows}
+    ratios = {f"tunekit_vs_{b}": ok["tunekit"]["tokens_per_s"] / ok[b]["tokens_per_s"] for b in ok if b != "tunekit"}
+    return {"name": name, "stacks": rows + [{"stack": "x", "skipped": "why"}], "ratios": ratios,
+            "loss_agreement": 1e-4, "tokens_per_s": ok["tunekit"]["tokens_per_s"], "commit": "abcdef0123",
+            "peak_memory_gb": ok["tunekit"]["peak_memory_gb"],
+            "config": {"method": method, "batch_size": 4, "max_length": 2048, "grad_ckpt": ckpt}}
+
+
+def test_speed_push_judges_each_target_from_its_runs():
+    rs = {"s14_compare_lora": _compare("s14_compare_lora", "lora", False, {
+              "hf_peft": (11_000, 65.0), "tunekit": (21_500, 49.0), "unsloth": (18_000, 43.0)}),
+          "s14_compare_qlora": _compare("s14_compare_qlora", "qlora", False, {
+              "tunekit": (19_000, 40.0), "unsloth": (17_600, 34.0)}),
+          "s14_lora_fast_fp8": {"name": "s14_lora_fast_fp8", "tokens_per_s": 26_000, "peak_memory_gb": 62.0},
+          "train_s14_fast_fp8": {"name": "train_s14_fast_fp8", "tokens_per_s": 23_400, "packing": "pack",
+                                 "config": {"data": "gsm8k"}}}
+    v = claims.judge("speed push", rs)
+    assert "on gsm8k (packed rows): 23,400 real tok/s, 90% of the step bench's 26,000 (target >= 90%: met" \
+        in v.evidence
+    assert v.verdict == "2 of 5 met, 2 unmeasured"
+    assert "LoRA bf16: 21,500 tok/s, 49.0 GB; Unsloth in the same run 18,000 tok/s, 43.0 GB: tunekit 1.19x " \
+           "(target >= 21,000 tok/s: met)" in v.evidence
+    assert "QLoRA, no checkpointing: 19,000 tok/s, 40.0 GB" in v.evidence and "at <= 35 GB: missed" in v.evidence
+    assert "LoRA FP8: 26,000 tok/s" in v.evidence and "(cited:" in v.evidence  # NeMo's figure, marked cited
+    assert "QLoRA batch 1: target >= 7,500 tok/s at <= 4.5 GB, unmeasured" in v.evidence
+    assert v.files == ("s14_compare_lora", "s14_lora_fast_fp8", "s14_compare_qlora", "train_s14_fast_fp8")
+    assert claims.judge("speed push", {}).verdict == "unmeasured"
+    table = claims.speed_table(rs)
+    assert "| `s14_compare_lora` | lora b4x2048 | 11,000 tok/s, 65.0 GB | 21,500 tok/s, 49.0 GB | 18,000 tok/s, " \
+           "43.0 GB | 1.95x | 1.19x | 1.0e-04 | abcdef0 |" in table
+    assert "| `s14_compare_qlora` | qlora b4x2048 | - |" in table
+    assert "no `bench --compare` result yet" in claims.speed_table({})
+    a, b = {"tokens_per_s": 101, "step_time_spread": 0.03}, {"tokens_per_s": 100, "step_time_spread": 0.01}
+    assert claims._vs(a, b) == "1.01x, same within noise (±3%)" and claims._vs(a, None) == "-"
+
+
+def test_c16_is_the_ratio_of_the_two_epochs():
+    def epoch(name, seconds, tps):
+        return {"name": name, "epoch_s_projected": seconds, "tokens_per_s": tps, "peak_memory_gb": 20.0,
+                "fraction": 0.25, "config": {"batch_size": 8}}
+
+    rs = {"l5_before": epoch("l5_before", 9000, 1500), "l5_after": epoch("l5_after", 900, 16000)}
+    v = claims.judge("C16", rs)
+    assert v.verdict == "holds: 10.0x" and "target is 8x (met)" in v.evidence and "projected" in v.evidence
+    rs["l5_after"] = epoch("l5_after", 3000, 5000)
+    assert claims.judge("C16", rs).verdict.startswith("partly: 3.0x")
+    rs["l5_after_warm"] = epoch("l5_after_warm", 1800, 5000)
+    v = claims.judge("C16", rs)
+    assert v.verdict.startswith("partly: 3.0x") and "compile cache warm: 5.0x (30.0 min)" in v.evidence
+    assert v.files == ("l5_before", "l5_after", "l5_after_warm")
+    assert claims.judge("C16", {}).verdict == "unmeasured"
+
+
+def test_claims_table_names_the_machine_and_the_lesson(tmp_path):
+    """Each row says where its files were measured and links the notebook section that judges the claim."""
+    nb = {"cells": [{"cell_type": "markdown", "source": ["# 02 · title\n", "## 3 · Checkpointing (C8)"]},
+                    {"cell_type": "code", "source": ['verdict("C8")']}], "metadata": {}, "nbformat": 4,
+          "nbformat_minor": 5}
+    (tmp_path / "02_x.ipynb").write_text(json.dumps(nb))
+    where = claims.where_judged(tmp_path)
+    assert where == {"C8": ("02_x.ipynb", "3 · Checkpointing (C8)")}
+    rs = {"l2_lora_b4": step("l2_lora_b4", 1500, 60), "l2_lora_ckpt_b4": step("l2_lora_ckpt_b4", 1200, 30),
+          "l2_lora_ckpt_b8": step("l2_lora_ckpt_b8", 1300, 40)}
+    for r in rs.values():
+        r.update(gpu="NVIDIA H200", world_size=1)
+    rs["l2_lora_ckpt_b8"].update(world_size=2, memory_cap_gb=23.0)
+    row = next(line for line in claims.claims_table(rs, where).splitlines() if line.startswith("| C8 |"))
+    assert "| 2x H200 capped at 23 GB, H200 |" in row and "[02: 3 · Checkpointing (C8)](notebooks/02_x.ipynb)" in row
+    c9 = next(line for line in claims.claims_table(rs, where).splitlines() if line.startswith("| C9 |"))
+    assert c9.endswith("| - | - |")  # unmeasured, and no notebook judges it here
+    # the real notebooks: every claim of lessons 1-4 is judged in one
+    real = claims.where_judged()
+    assert {"C1", "C8", "C13", "fp8"} <= set(real) and real["C13"][0] == "04_speedups.ipynb"
+
+
+def test_epoch_table_lists_the_waterfall_in_order_and_the_reruns():
+    def epoch(name, seconds, tps, commit="abcdef0"):
+        return {"name": name, "epoch_s_projected": seconds, "tokens_per_s": tps, "peak_memory_gb": 8.0,
+                "mfu": 0.06, "commit": commit, "timings": {"eval_s": 20.0, "first_step_s": 4.5}}
+
+    rs = {"l5_before": epoch("l5_before", 600, 2000), "l5_step2": epoch("l5_step2", 620, 1900),
+          "l5_step2_rerun": epoch("l5_step2_rerun", 700, 1710)}
+    lines = claims.epoch_table(rs).splitlines()
+    assert lines[2].startswith("| l5_before | before: the article's recipe | 10.0 | 9.7 | 4.5 | 20 | 2,000 |")
+    assert lines[3].startswith("| l5_step1 |") and "unmeasured" in lines[3]
+    assert "| l5_step2_rerun | l5_step2 again, on another machine (-10% tok/s) |" in lines[-1]
+
+
+def test_scaling_reports_each_count_and_judges_eight_gpus():
+    def point(workload, n, tps, gb=40.0):
+        return {"name": f"l3_scale_{workload}_{n}gpu", "tokens_per_s": tps, "peak_memory_gb": gb}
+
+    rs = {r["name"]: r for r in (point("fsdp_full", 1, 12_000, 80.0), point("fsdp_full", 2, 11_800, 47.0),
+                                 point("ddp_lora", 1, 13_000), point("ddp_lora", 2, 12_700))}
+    v = claims.judge("scaling target", rs)
+    assert v.verdict == "unmeasured at 8 GPUs"
+    assert "fsdp_full: 1 GPU 12,000 tok/s per GPU, 80.0 GB; 2 GPUs 11,800 tok/s per GPU, 98.3% of one GPU's, " \
+           "47.0 GB (not measured on 4, 8 GPUs)" in v.evidence
+    assert "ddp_lora: 1 GPU 13,000" in v.evidence and len(v.files) == 4
+    rs.update({r["name"]: r for r in (point("fsdp_full", 8, 11_000),)})
+    assert claims.judge("scaling target", rs).verdict == "missed"  # 91.7% kept, but under 11,500 per GPU
+    rs["l3_scale_fsdp_full_8gpu"]["tokens_per_s"] = 11_600
+    assert claims.judge("scaling target", rs).verdict == "met"
+    assert claims.judge("scaling target", {}).verdict == "unmeasured"

@@ -1,0 +1,23 @@
+"""Run under torchrun by tests/e2e/test_distributed.py: `torchrun ... tests/e2e/dist_worker.py SPEC.json`.
+
+SPEC holds `config` (TuneConfig fields), `resume` and `stop_after`: one call of `train.train` on every rank;
+`die_on_rank` makes that rank exit at its first training step, as a crashed process would."""
+
+import json
+import os
+import sys
+
+from tunekit import distributed, train
+from tunekit.config import TuneConfig
+
+spec = json.loads(open(sys.argv[1]).read())
+if spec.get("die_on_rank") == int(os.environ["RANK"]):
+    def die(*args, **kwargs):
+        os._exit(3)
+
+    train.train_step = die
+try:
+    train.train(TuneConfig(**spec["config"]), resume=spec.get("resume", False), stop_after=spec.get("stop_after"),
+                progress=False)
+finally:
+    distributed.teardown()

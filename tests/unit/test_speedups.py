@@ -1,0 +1,242 @@
+"""Lesson 4's switches: each reversible, each the same numbers as its reference."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from helpers import SMALL_ARCH
+
+from tunekit import config, estimate, speedups, train
+from tunekit.build import batches_from
+from tunekit.optim import (
+    OPTIMIZER_NOTES,
+    Lion,
+    build_optimizer,
+    lion_settings,
+    optimizer_state_bytes,
+    state_bytes_per_param,
+)
+from tunekit.prepare import prepare
+from tunekit.presets import llama7b_lora, tiny
+from tunekit.step import StepModule, micro_step, train_step
+from tunekit_course.race import parse_sweep, run_convergence
+
+
+def test_tf32_is_switched_and_put_back():
+    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    with speedups.tf32(True):
+        assert torch.get_float32_matmul_precision() == "high" and torch.backends.cudnn.allow_tf32
+        with speedups.tf32(False):
+            assert torch.get_float32_matmul_precision() == "highest" and not torch.backends.cudnn.allow_tf32
+        assert torch.get_float32_matmul_precision() == "high"
+    assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == before
+    with pytest.raises(RuntimeError), speedups.tf32(True):
+        raise RuntimeError("inside")
+    assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == before
+
+
+def test_lion_follows_the_paper_step_by_step():
+    """Algorithm 2 of Chen et al. 2023, written out in float64, against `speedups.Lion` over five steps."""
+    g = torch.Generator().manual_seed(0)
+    w0 = torch.randn(7, 5, generator=g, dtype=torch.float64)
+    grads = [torch.randn(7, 5, generator=g, dtype=torch.float64) for _ in range(5)]
+    lr, (b1, b2), wd = 1e-2, (0.9, 0.99), 0.1
+    p = torch.nn.Parameter(w0.clone())
+    opt = Lion([p], lr=lr, betas=(b1, b2), weight_decay=wd)
+    w, m = w0.clone(), torch.zeros_like(w0)
+    for grad in grads:
+        p.grad = grad.clone()
+        opt.step()
+        update = torch.sign(b1 * m + (1 - b1) * grad)
+        w = w - lr * (update + wd * w)
+        m = b2 * m + (1 - b2) * grad
+        torch.testing.assert_close(p.detach(), w, rtol=0, atol=1e-12)
+    assert list(opt.state[p]) == ["exp_avg"]  # one state a parameter
+
+
+def test_lion_settings_and_memory():
+    assert lion_settings(3e-4, 0.01) == pytest.approx({"lr": 3e-5, "weight_decay": 0.1})
+    cfg = estimate.Setup.of(llama7b_lora(vocab_size=32000))
+    adamw = estimate.estimate_memory_for(cfg)["optimizer"]
+    assert estimate.estimate_memory_for(cfg.but(optimizer="lion"))["optimizer"] == adamw // 2
+    with pytest.raises(ValueError, match="lr"):
+        Lion([torch.nn.Parameter(torch.zeros(1))], lr=0)
+
+
+def test_a_run_trains_with_lion(tmp_path, small_data):
+    cfg = tiny(out_dir=str(tmp_path / "run"), data=str(small_data), max_steps=30, batch_size=4,
+                      max_length=128, warmup_steps=2, optimizer="lion", lr=3e-4, **SMALL_ARCH)
+    summary = train.train(cfg, progress=False)
+    losses = summary["losses"]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.1, losses
+
+
+# ---- optimizers: each steps, and keeps the state its formula says ----------------------------------------
+
+
+def test_the_optimizer_list_is_one_list():
+    assert tuple(OPTIMIZER_NOTES) == config.OPTIMIZERS
+
+
+def test_lion_matches_lion_pytorch():
+    lion_pytorch = pytest.importorskip("lion_pytorch")
+    g = torch.Generator().manual_seed(1)
+    w0 = torch.randn(6, 4, generator=g)
+    grads = [torch.randn(6, 4, generator=g) for _ in range(4)]
+    ours, theirs = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())
+    a = Lion([ours], lr=1e-2, weight_decay=0.1)
+    b = lion_pytorch.Lion([theirs], lr=1e-2, weight_decay=0.1)
+    for grad in grads:
+        ours.grad, theirs.grad = grad.clone(), grad.clone()
+        a.step()
+        b.step()
+        torch.testing.assert_close(ours.detach(), theirs.detach(), rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["adamw", "adamw_foreach", "lion", "lion_pytorch"])
+def test_each_cpu_optimizer_steps_and_keeps_its_formula_of_state(name):
+    if name == "lion_pytorch":
+        pytest.importorskip("lion_pytorch")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8))
+    model[0].weight.requires_grad_(False)  # frozen: no state
+    opt = build_optimizer(model, 1e-3, 0.01, "cpu", name)
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.randn(4, 16)).square().sum().backward()
+    opt.step()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()) if p.requires_grad)
+    assert torch.equal(before[0], model[0].weight)
+    n = sum(p.numel() for p in trainable)
+    counters = 4 * len(trainable) if "adamw" in name else 0  # AdamW's per-tensor step count (fp32 scalar)
+    assert optimizer_state_bytes(opt) == state_bytes_per_param(name, 4) * n + counters
+
+
+@pytest.mark.parametrize("name", ["adamw8bit", "paged_adamw", "lion8bit"])
+def test_bitsandbytes_optimizers_say_they_need_a_gpu(name):
+    with pytest.raises(RuntimeError, match="CUDA GPU"):
+        build_optimizer(torch.nn.Linear(2, 2), 1e-3, 0.0, "cpu", name)
+
+
+# ---- compilation: the same numbers as eager ------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["regional", "model"])
+def test_compiled_step_matches_eager(mode):
+    """The tiny LoRA model with checkpointing, one micro-step compiled by inductor (on CPU) and one eager: the
+    same loss and LoRA gradients within fp32 rounding (rtol 1e-4: inductor fuses and reorders sums)."""
+    from tunekit import memory
+    from tunekit import model as mdl
+
+    arch = mdl.llama_config(64, 2, 4, 128, 256, 0, 128)
+
+    def build():
+        m = mdl.apply_lora(mdl.build_model(arch, "", torch.float32, "cpu", "sdpa", 0), 8, 16)
+        memory.apply_gradient_checkpointing(m)
+        return m
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (2, 64))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(1)
+        model = build()
+        step = StepModule(model, "chunked")
+        if compiled:
+            step = speedups.compile_step(step, model, mode)
+        loss = micro_step(model, batch, 100, None, step_module=step)
+        results.append((loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (eager_loss, eager_grads), (loss, grads) = results
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=0)
+    assert eager_grads.keys() == grads.keys() and len(grads) == 2 * 7 * 2  # A and B of 7 linears, 2 layers
+    for name, g in grads.items():
+        torch.testing.assert_close(g, eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_compiling_pads_batches_to_few_shapes(tmp_path, small_data):
+    """Under --compile a padded batch is rounded up to a multiple of 64 tokens (a handful of shapes, so of
+    compilations); packed rows keep their one width."""
+    from tunekit.data.batching import IGNORE
+
+    assert speedups.compile_pad_multiple("regional", "pad") == 64
+    assert speedups.compile_pad_multiple("regional", "pack") == 0
+    assert speedups.compile_pad_multiple("none", "pad") == 0
+    cfg = tiny(out_dir=str(tmp_path / "run"), data=str(small_data), packing="pad", compile="regional",
+                      max_length=128, batch_size=4)
+    tokenizer, ds, _ = prepare(cfg, verbose=False)
+    widths = {b["input_ids"].shape[1] for _, _, b in itertools.islice(
+        batches_from(ds, cfg, tokenizer.pad_token_id, 0, 0), 20)}
+    assert widths and all(w % 64 == 0 for w in widths), widths
+    assert IGNORE == -100
+
+
+def test_unknown_compile_modes_are_refused():
+    with pytest.raises(ValueError, match="unknown compile|choose one of"):
+        speedups.compile_step(torch.nn.Linear(2, 2), None, "everything")
+    with pytest.raises(config.ConfigError, match="compile"):
+        tiny(compile="whole")
+
+
+# ---- GPU-only switches: a clear reason where they cannot run --------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given without a GPU")
+def test_liger_and_fp8_say_why_they_cannot_run_here(tmp_path, small_data):
+    assert speedups.liger_available() and speedups.fp8_available()
+    with pytest.raises(RuntimeError, match="kernels=liger: "):
+        speedups.apply_liger(torch.nn.Linear(2, 2))
+    with pytest.raises(RuntimeError, match="fp8: "):
+        speedups.apply_fp8(torch.nn.Linear(16, 16))
+    cfg = tiny(out_dir=str(tmp_path / "run"), data=str(small_data), loss="liger", max_steps=1, **SMALL_ARCH)
+    with pytest.raises(RuntimeError, match="'loss' = 'liger'.*--loss chunked"):
+        train.train(cfg, progress=False)
+    with pytest.raises(config.ConfigError, match="fp8.*4-bit"):
+        tiny(method="qlora", fp8=True)
+
+
+def test_fp8_takes_the_large_linear_layers_only():
+    from tunekit import model as mdl
+
+    m = mdl.apply_lora(mdl.build_model(mdl.llama_config(64, 1, 4, 128, 256, 0, 128), "", torch.float32, "cpu",
+                                       "sdpa", 0), 8, 16)
+    chosen = [n for n, mod in m.named_modules() if speedups.fp8_linear_filter(mod, n)]
+    assert len(chosen) == 7 and all(n.endswith("base_layer") for n in chosen), chosen
+
+
+def test_tf32_is_on_during_a_gpu_run_only_and_put_back(tmp_path, small_data, monkeypatch):
+    seen = []
+    real = train_step
+
+    def spy(*a, **k):
+        seen.append(torch.get_float32_matmul_precision())
+        return real(*a, **k)
+
+    monkeypatch.setattr(train, "train_step", spy)
+    before = torch.get_float32_matmul_precision()
+    cfg = tiny(out_dir=str(tmp_path / "run"), data=str(small_data), max_steps=2, **SMALL_ARCH)
+    train.train(cfg, progress=False)
+    expected = "high" if torch.cuda.is_available() else before
+    assert seen == [expected] * 2 and torch.get_float32_matmul_precision() == before
+
+
+def test_convergence_runs_each_optimizer_and_picks_its_best_rate(tmp_path, small_data):
+    cfg = tiny(out_dir=str(tmp_path / "runs"), data=str(small_data), method="full", max_steps=8,
+                      batch_size=4, max_length=128, warmup_steps=1, eval_split=0.2, eval_every=4,
+                      weight_decay=0.01, **SMALL_ARCH)
+    sweep = parse_sweep("adamw=1e-3,1e-2;lion=1e-4")
+    r = run_convergence(cfg, sweep, "conv", verbose=False)
+    assert [(x["optimizer"], x["lr"]) for x in r["runs"]] == [("adamw", 1e-3), ("adamw", 1e-2), ("lion", 1e-4)]
+    assert [x["weight_decay"] for x in r["runs"]] == [0.01, 0.01, 0.1]  # Lion: 10x the decay (the paper's rule)
+    adamw = [x for x in r["runs"] if x["optimizer"] == "adamw"]
+    assert r["best"]["adamw"]["lr"] == min(adamw, key=lambda x: x["best_eval_loss"])["lr"]
+    for x in r["runs"]:
+        assert [s for s, _ in x["eval"]] == [4, 8] and x["eval"][-1][1] == x["final_eval_loss"]
+        assert x["best_eval_loss"] == min(loss for _, loss in x["eval"]) <= x["final_eval_loss"]
+    with pytest.raises(ValueError, match="OPTIMIZER=LR"):
+        parse_sweep("sgd=1e-3")
+    with pytest.raises(ValueError, match="eval-split"):
+        run_convergence(tiny(), sweep, "x")

@@ -1,0 +1,151 @@
+"""Presets: named starting configs, each a plain function returning a fresh `TuneConfig`, and a preset with
+command-line style overrides (`resolve`).
+"""
+
+from __future__ import annotations
+
+import typing
+
+from tunekit.config import ConfigError, TuneConfig, field_types
+
+
+def tiny(**overrides) -> TuneConfig:
+    """A random-init 4-layer Llama (1.2M params) on the project's arithmetic data. Runs on a laptop CPU in seconds.
+    Batch 4: packed rows of 256 tokens hold about 19 of its samples, so a step sees about as many as 16 padded."""
+    return TuneConfig(**{"preset": "tiny", "batch_size": 4, **overrides})
+
+
+def _llama7b(**kw) -> dict:
+    # The Llama-2-7B shape: 6.74 B parameters. With `model` empty the weights are random: speed and
+    # memory are the same as with the real weights; the loss means nothing.
+    return {**dict(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=32, intermediate_size=11008,
+                   vocab_size=32000, tokenizer_vocab=32000, max_length=2048, batch_size=4, lr=2e-4,
+                   warmup_steps=20, max_steps=200, save_every=100, log_every=1, num_workers=2,
+                   data="gsm8k"), **kw}
+
+
+def llama7b_lora(**overrides) -> TuneConfig:
+    """7B Llama shape, bf16 weights, LoRA r16 on every linear layer, seq 2048, batch 4."""
+    return TuneConfig(**{**_llama7b(preset="llama7b_lora", method="lora"), **overrides})
+
+
+def llama7b_qlora(**overrides) -> TuneConfig:
+    """7B Llama shape, NF4 double-quant weights with bf16 compute, LoRA r16, checkpointing, batch 8."""
+    return TuneConfig(**{**_llama7b(preset="llama7b_qlora", method="qlora", grad_ckpt=True, batch_size=8),
+                         **overrides})
+
+
+def llama7b_qlora_lowmem(**overrides) -> TuneConfig:
+    """The least GPU memory a 7B step takes in tunekit: QLoRA at batch 1, checkpoints and the embedding table
+    in CPU memory, 8-bit AdamW."""
+    return TuneConfig(**{**_llama7b(preset="llama7b_qlora_lowmem", method="qlora", grad_ckpt=True,
+                                    grad_ckpt_offload=True, embed_offload=True, optimizer="adamw8bit",
+                                    batch_size=1), **overrides})
+
+
+def llama7b_before(**overrides) -> TuneConfig:
+    """Lesson 5's "before": the article's recipe as a plain HF + peft user runs it, made runnable and fair —
+    tokenized in the loop by a default DataLoader, batches padded to their longest sample, eager attention,
+    the plain loss over full logits, no TF32, no compile, foreach AdamW; QLoRA with checkpointing and peft's
+    k-bit preparation and input casts. 8 samples x 7 micro-batches a step (56), about what a step of packed
+    rows holds in `llama7b_after`, so both runs take about as many optimizer steps an epoch."""
+    return TuneConfig(**{**_llama7b(preset="llama7b_before", method="qlora", grad_ckpt=True, peft_kbit_prepare=True,
+                                    lora_input_cast=True, tokenize="in_loop", packing="pad", attention="eager",
+                                    loss="plain", tf32=False, compile="none", optimizer="adamw_foreach",
+                                    batch_size=8, grad_accum=7, num_workers=0, pin_memory=False,
+                                    persistent_workers=False, warmup_steps=10, eval_data="gsm8k-test"),
+                         **overrides})
+
+
+def llama7b_after(**overrides) -> TuneConfig:
+    """Lesson 5's "after": tunekit's fastest LoRA recipe measured in lessons 2-4 — offline tokenization,
+    packed rows each sample attending to itself, bf16 LoRA without checkpointing, the chunked loss, each
+    decoder block compiled (lesson 4: the largest speed-up, a cold compile in seconds), fused AdamW, TF32 on.
+    FP8 (`--fp8`) was faster still in lesson 4's step benchmark; lesson 5 measures it on real data."""
+    return TuneConfig(**{**_llama7b(preset="llama7b_after", method="lora", compile="regional", warmup_steps=10,
+                                    eval_data="gsm8k-test"), **overrides})
+
+
+def llama1b_full(**overrides) -> TuneConfig:
+    """A 1.1B Llama (TinyLlama's shape: 22 layers of width 2048, 4 key/value heads), every weight trained in
+    bf16, seq 2048, batch 4: lesson 4's optimizer measurements (the states of every parameter count)."""
+    return TuneConfig(**{**_llama7b(preset="llama1b_full", method="full", hidden_size=2048, num_layers=22,
+                                    num_heads=32, num_kv_heads=4, intermediate_size=5632, lr=1e-4), **overrides})
+
+
+def shakespeare(**overrides) -> TuneConfig:
+    """A 10M-parameter Llama trained from scratch on tinyshakespeare (1 MB of text; BPE of 1,024 tokens trained
+    on it), 5% held out: lesson 4's optimizer convergence. Minutes on a GPU."""
+    return TuneConfig(**{**dict(preset="shakespeare", method="full", data="tinyshakespeare", hidden_size=384,
+                                num_layers=6, num_heads=6, intermediate_size=1024, tokenizer_vocab=1024,
+                                max_length=256, batch_size=32, lr=1e-3, weight_decay=0.1, warmup_steps=50,
+                                max_steps=600, eval_split=0.05, eval_every=50, log_every=1, num_workers=2),
+                         **overrides})
+
+
+PRESETS: dict[str, typing.Callable[..., TuneConfig]] = {
+    "tiny": tiny, "llama7b_lora": llama7b_lora, "llama7b_qlora": llama7b_qlora,
+    "llama7b_qlora_lowmem": llama7b_qlora_lowmem, "llama7b_before": llama7b_before, "llama7b_after": llama7b_after,
+    "llama1b_full": llama1b_full, "shakespeare": shakespeare,
+}
+
+
+GPU_PRESETS = ("llama7b_lora", "llama7b_qlora", "llama7b_qlora_lowmem", "llama7b_before", "llama7b_after",
+               "llama1b_full")
+
+
+def get_preset(name: str, **overrides) -> TuneConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    return PRESETS[name](**overrides)
+
+
+def parse_overrides(args: list[str]) -> dict[str, object]:
+    """`['--lr', '2e-4', '--grad-ckpt', '--max_steps=5']` -> `{'lr': 2e-4, 'grad_ckpt': True, 'max_steps': 5}`.
+
+    A bare boolean flag means true. Unknown fields are rejected with the list of known ones."""
+    types = field_types()
+    out: dict[str, object] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}: overrides look like --field value")
+        key, eq, value = arg[2:].partition("=")
+        name = key.replace("-", "_")
+        if name not in types:
+            close = [f for f in types if name in f or f in name]
+            hint = f" Did you mean {', '.join('--' + c.replace('_', '-') for c in close)}?" if close else ""
+            raise ConfigError(f"unknown config field --{key}.{hint} Known fields: {', '.join(types)}")
+        if not eq:
+            nxt = args[i + 1] if i + 1 < len(args) else None
+            if types[name] is bool and (nxt is None or nxt.startswith("--")):
+                value = "true"
+            elif nxt is None:
+                raise ConfigError(f"--{key} needs a value")
+            else:
+                value, i = nxt, i + 1
+        out[name] = parse_value(name, value, types[name])
+        i += 1
+    return out
+
+
+def resolve(preset: str, args: list[str] | None = None, **overrides) -> TuneConfig:
+    """A preset plus CLI-style overrides plus keyword overrides, validated."""
+    merged = {**parse_overrides(args or []), **overrides}
+    return get_preset(preset, **merged)
+
+
+def parse_value(name: str, text: str, typ: type):
+    """Turn the string `text` into a value for field `name`, or raise ConfigError saying why not."""
+    try:
+        if typ is bool:
+            low = text.lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        return typ(text)
+    except ValueError:
+        raise ConfigError(f"--{name.replace('_', '-')} {text!r}: expected {typ.__name__}") from None

@@ -1,0 +1,132 @@
+"""One training step: the micro-step and the optimizer step, which never see a config.
+
+One optimizer step = `grad_accum` micro-batches. The loss is summed over target tokens and divided by the
+number of target tokens in the *whole* step (not by the number of micro-batches), so accumulating 4 x 2
+samples gives the same loss and gradients as one batch of 8 whatever the padding.
+
+`micro_step` is a plain function of (model, batch, n_targets): later lessons compile it, wrap the model in
+FSDP or swap the loss for a fused kernel without touching the loop.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tunekit import distributed, speedups
+from tunekit import loss as loss_fn
+from tunekit.attention import sdpa_context
+from tunekit.data import batching
+from tunekit.data.batching import IGNORE
+
+
+def count_targets(micro_batches: list[dict]) -> int:
+    """Target tokens in the whole step: labels that are not ignored, after the one-token shift."""
+    return sum(int((b["labels"][:, 1:] != IGNORE).sum()) for b in micro_batches)
+
+
+class StepModule(torch.nn.Module):
+    """The model and its loss as one module: `forward(input_ids, labels, position_ids, scale)` returns the
+    micro-batch's summed token loss times `scale`. DDP and FSDP2 wrap this module (`distributed.parallelize`),
+    so every call goes through their hooks: the chunked loss calls the decoder and the LM head separately,
+    which would go around the hooks of a wrapped language model.
+
+    Labels are shifted rather than logits sliced, which would copy the largest tensor of the step.
+    `loss="chunked"` computes the LM head and the loss together, never holding the logits (tunekit/loss.py);
+    `loss="liger"` is Liger's kernel for the same."""
+
+    def __init__(self, model, loss: str = "plain", autocast_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.model, self.loss, self.autocast_dtype = model, loss, autocast_dtype
+
+    def forward(self, input_ids, labels, position_ids=None, scale: float = 1.0) -> torch.Tensor:
+        autocast_dtype = self.autocast_dtype
+        labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
+        # position_ids restart at each packed sample: transformers then masks attention per sample.
+        inputs = {"input_ids": input_ids, "position_ids": position_ids}
+        with torch.autocast(input_ids.device.type, dtype=autocast_dtype or torch.float32,
+                            enabled=autocast_dtype is not None):
+            if self.loss != "plain":
+                hidden, head = loss_fn.hidden_and_head(self.model, **inputs)
+            else:
+                logits = self.model(**inputs, use_cache=False).logits
+        if self.loss != "plain":
+            dtype = autocast_dtype or hidden.dtype  # the head's matmul runs in the autocast dtype, as inside
+            head = head.to(hidden.device, dtype, non_blocking=True)  # (a head kept in CPU memory comes over)
+            if self.loss == "liger":
+                return speedups.liger_loss(hidden.to(dtype), head, labels, scale)
+            return loss_fn.chunked_lm_loss(hidden.to(dtype), head, labels, scale)
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.reshape(-1),
+                               ignore_index=IGNORE, reduction="sum") * scale
+
+
+def micro_step(model, batch: dict, n_targets: int, autocast_dtype: torch.dtype | None,
+               loss: str = "plain", scale: float | None = None, step_module=None) -> torch.Tensor:
+    """Forward and backward on one micro-batch; returns its share of the step loss (detached): its summed
+    token loss times `scale` (default `1 / n_targets`). `step_module` (a `StepModule`, perhaps wrapped by
+    DDP or FSDP2) is what runs; by default one around `model`."""
+    module = step_module if step_module is not None else StepModule(model, loss, autocast_dtype)
+    value = module(batch["input_ids"], batch["labels"], batch.get("position_ids"),
+                   1.0 / n_targets if scale is None else scale)
+    value.backward()
+    return value.detach()
+
+
+def train_step(model, micro_batches: list[dict], optimizer, scheduler, max_grad_norm: float,
+               autocast_dtype: torch.dtype | None, loss: str = "plain", sdpa_backends=None,
+               step_module=None) -> dict:
+    """One optimizer step over `micro_batches` (already on the device).
+
+    Distributed (`step_module` wrapped by DDP or FSDP2, see tunekit/distributed.py): the loss is divided by
+    the target tokens of the step on all ranks, counted before any backward, and multiplied by the world size
+    (the wrappers average gradients over ranks), so the gradients are those of one process on the global
+    batch; gradients are synchronised on the last micro-step only. The loss returned is the global one.
+    `sdpa_backends` (from `attention.sdpa_backends`) holds for forward *and* backward: checkpointing
+    recomputes attention in backward."""
+    module = step_module if step_module is not None else StepModule(model, loss, autocast_dtype)
+    device = micro_batches[0]["input_ids"].device
+    world = distributed.world_size()
+    n_targets = max(1, distributed.all_reduce_sum(count_targets(micro_batches)))
+    value = torch.zeros((), device=device)
+    with sdpa_context(sdpa_backends):
+        for i, b in enumerate(micro_batches):
+            with distributed.gradient_sync(module, enabled=i == len(micro_batches) - 1):
+                value += micro_step(model, b, n_targets, None, scale=world / n_targets, step_module=module)
+    if world > 1:
+        value = distributed.all_reduce_sum(value) / world
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2: the norm of sharded gradients is a DTensor
+        grad_norm = grad_norm.full_tensor()
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": value, "grad_norm": grad_norm, "targets": n_targets}
+
+
+def to_device(batch: dict, device: str) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+@torch.no_grad()
+def evaluate(step_module, model, eval_ds, batch_size: int, collate, device: str, sdpa_backends=None) -> float:
+    """Mean token loss over the held-out rows, `batch_size` rows at a time made into batches by `collate` (a
+    `batching.Collator`), each rank its share (rows rank, rank + world, ...), summed over ranks. The model is
+    in eval mode for it and back in train mode after."""
+    rank, world = distributed.rank(), distributed.world_size()
+    rows = list(range(rank, len(eval_ds), world))
+    view = batching.model_columns(eval_ds)
+    total, count = torch.zeros((), device=device), 0
+    model.eval()
+    try:
+        with sdpa_context(sdpa_backends):
+            for i in range(0, len(rows), batch_size):
+                batch = collate([view[j] for j in rows[i:i + batch_size]])
+                batch.pop("attention_mask", None)
+                b = to_device(batch, device)
+                total += step_module(b["input_ids"], b["labels"], b.get("position_ids"), 1.0).float()
+                count += count_targets([b])
+    finally:
+        model.train()
+    total = distributed.all_reduce_sum(total)
+    return float(total) / max(1, distributed.all_reduce_sum(count))

@@ -1,0 +1,16 @@
+"""The course around the tunekit library: what only the lessons use.
+
+- `claims`: the article's claims judged from the published results, and the README's generated tables.
+- `notebook`: what the lesson notebooks share (presets that fit the machine, measuring in subprocesses, the
+  lesson plans) and their executor (`python -m tunekit_course.notebook`).
+- `databench`: lesson 1's data measurements; `compare`: the same step in the plain HF + peft stack, tunekit
+  and Unsloth; `race`: lesson 4's optimizer convergence; `accumulation`: lesson 3's accumulation check.
+
+The library (`tunekit/`) never imports this package; only the command line reaches it, for the course's own
+commands (`tunekit results`, `databench`, `converge`, `bench --compare`).
+"""
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]  # the course checkout: notebooks/, data/, README.md
+RESULTS = ROOT / "notebooks" / "results"  # the published results
