@@ -200,7 +200,7 @@ def test_tiny_model_under_sdpa_context_matches_eager(name, tokenizer, small_data
 
 @pytest.mark.parametrize("docs", [1, 2])
 def test_benchmark_attention_on_cpu(docs):
-    rows = benchmark_attention(batch=1, heads=2, seq=64, head_dim=16, warmup=1, iters=2, docs=docs)
+    rows = benchmark_attention(batch=1, heads=2, seq=64, head_dim=16, warmup=1, iters=2, docs=docs, device="cpu")
     assert [r["backend"] for r in rows] == list(BENCH_BACKENDS)
     by = {r["backend"]: r for r in rows}
     for r in rows:
@@ -222,7 +222,7 @@ def test_benchmark_attention_on_cpu(docs):
 
 def test_benchmark_attention_grouped_query_heads():
     rows = benchmark_attention(batch=2, heads=4, kv_heads=2, seq=48, head_dim=8, warmup=1, iters=1,
-                                         docs=3, backends=("eager", "math"))
+                               docs=3, backends=("eager", "math"), device="cpu")
     assert [r["status"] for r in rows] == ["ok", "ok"]
     assert rows[0]["max_abs_err_vs_math"] < 1e-5 and rows[1]["max_abs_err_vs_math"] == 0
     with pytest.raises(ValueError, match="unknown 'fa3'"):
