@@ -16,15 +16,26 @@ from tunekit.config import ConfigError, TuneConfig, load_config
 from tunekit.presets import get_preset
 
 
-def finetune(cfg: TuneConfig, resume: bool = False, overwrite: bool = False,
-             allow_config_change: bool = False) -> dict:
-    """Run a training run as `tunekit train` does; returns its summary (steps, losses, final_loss, run_dir).
-    `resume`, `overwrite` and `allow_config_change` are the command's `--resume`, `--overwrite` and
-    `--allow-config-change`: a folder that holds another run is refused without one of them."""
+def finetune(cfg: TuneConfig, data=None, resume: bool = False, overwrite: bool = False,
+             allow_config_change: bool = False):
+    """Run a training run as `tunekit train` does. `data`: records in memory (a list of dicts, or a
+    `datasets.Dataset`) to train on instead of the config's `data` file or name; they are written once to the
+    cache, named by their content (`data.records.save_records`), and the run records that file.
+
+    Returns the run's summary (steps, losses, final_loss, run_dir, ...), a dict whose `load()` gives the trained
+    model and its tokenizer. `resume`, `overwrite` and `allow_config_change` are the command's `--resume`,
+    `--overwrite` and `--allow-config-change`: a folder that holds another run is refused without one of them."""
+    import dataclasses
+
+    from tunekit.export import Finished
     from tunekit.train import train
 
+    if data is not None:
+        from tunekit.data.records import save_records
+
+        cfg = dataclasses.replace(cfg, data=str(save_records(data)))
     cfg.validate()
-    return train(cfg, resume=resume, overwrite=overwrite, allow_config_change=allow_config_change)
+    return Finished(train(cfg, resume=resume, overwrite=overwrite, allow_config_change=allow_config_change))
 
 
 def benchmark(cfg: TuneConfig, name: str = "") -> dict:

@@ -9,6 +9,7 @@ command-line overrides are `tunekit/presets.py`. The resolved config is saved be
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -267,6 +268,14 @@ class TuneConfig:
             if not cond:
                 raise ConfigError(f"config field '{fieldname}' = {getattr(self, fieldname)!r}: {msg}")
 
+        for name, typ in field_types().items():  # first the types, so the checks below compare like with like
+            value = getattr(self, name)
+            if typ is float and isinstance(value, int) and not isinstance(value, bool):
+                setattr(self, name, float(value))  # 1 is 1.0
+            elif not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+                hint = "; pass records with finetune(cfg, data=...)" if name == "data" else ""
+                raise ConfigError(f"config field '{name}' = {value!r}: expected {TYPE_WORDS[typ]}{hint}")
+
         need(self.method in METHODS, "method", f"choose one of {', '.join(METHODS)}")
         need(self.dtype in DTYPES, "dtype", f"choose one of {', '.join(DTYPES)}")
         need(self.attention in ATTENTION, "attention", f"choose one of {', '.join(ATTENTION)}")
@@ -350,12 +359,14 @@ RESUME_SAFE_FIELDS = ("max_steps", "epochs", "save_every", "log_every", "keep_ch
                       "bench_max_steps", "bench_target_error")
 
 
+TYPE_WORDS = {int: "int (a whole number, e.g. 8)", float: "float (a number, e.g. 3e-4)", bool: "bool (true or false)",
+              str: "str (text)"}
+
+
+@functools.cache
 def field_types() -> dict[str, type]:
     hints = typing.get_type_hints(TuneConfig)
     return {f.name: hints[f.name] for f in dataclasses.fields(TuneConfig)}
-
-
-# ---- saving and loading ----------------------------------------------------------------------------
 
 
 def config_dict(cfg: TuneConfig) -> dict:
@@ -374,18 +385,11 @@ def load_config(path: str | os.PathLike) -> TuneConfig:
         raise ConfigError(f"{path}: no config file there") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: line {e.lineno}: not valid JSON ({e.msg})") from None
-    types = field_types()
-    unknown = set(raw) - set(types)
-    if unknown:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: not a JSON object of config fields")
+    if unknown := set(raw) - set(field_types()):
         raise ConfigError(f"{path}: unknown config fields {sorted(unknown)}")
-    for name, value in raw.items():
-        typ = types[name]
-        ok = isinstance(value, typ) and not (typ is int and isinstance(value, bool))
-        if typ is float and isinstance(value, int) and not isinstance(value, bool):
-            raw[name], ok = float(value), True
-        if not ok:
-            raise ConfigError(f"{path}: field '{name}' = {value!r}: expected {typ.__name__}")
-    try:
+    try:  # each value's type is checked by the config itself
         return TuneConfig(**raw)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None

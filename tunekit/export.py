@@ -30,6 +30,18 @@ from tunekit.prepare import build_tokenizer
 EXPORT_RECORD = "export.json"
 
 
+class Finished(dict):
+    """What `tunekit.finetune` returns: the run's summary (a dict, as `summary.json` holds it) and what a script needs
+    next, `load()`: the trained model and its tokenizer, read back from the run folder."""
+
+    def load(self, device: str = "cpu", dtype: torch.dtype | None = None):
+        """(model, tokenizer) of the finished run: the base with its adapter attached (LoRA, QLoRA) or the whole
+        trained model (full), in eval mode, on `device` in `dtype` (default bf16 on a GPU, fp32 on the CPU)."""
+        dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
+        model, tokenizer, _ = load_run(self["run_dir"], device, dtype)
+        return model, tokenizer
+
+
 def run_config(run_dir: str | Path) -> TuneConfig:
     return load_config(Path(run_dir) / "config.json")
 

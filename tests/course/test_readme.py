@@ -41,6 +41,7 @@ def test_readme_library_example_runs(tmp_path, monkeypatch):
     cfg = namespace["cfg"]
     assert namespace["summary"]["steps"] == cfg.max_steps == 20
     assert (tmp_path / "runs" / "from-python" / "metrics.jsonl").exists()
+    assert not namespace["model"].training and namespace["tokenizer"]("2+2")["input_ids"]  # what finetune hands back
 
 
 def test_generated_tables_match_the_result_files():

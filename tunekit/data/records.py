@@ -28,7 +28,7 @@ from pathlib import Path
 
 from tunekit.data.layouts import INSTANCES, DataError, _check_text, _json_type, parse_fields
 from tunekit.hub import load_from_hub
-from tunekit.io import REPO_ROOT, atomic_output, file_sha256
+from tunekit.io import REPO_ROOT, atomic_output, atomic_write_text, file_sha256
 from tunekit.io import cache_dir as cache_root  # `cache_dir` is also an argument name below
 
 # Named datasets: a local copy under `shared_data()` when one is there (tests, GPU runs), else the hub (a user's
@@ -119,6 +119,33 @@ def resolve_source(source: str) -> str:
     if not p.is_absolute() and not p.exists() and (REPO_ROOT / p).exists():
         return str(REPO_ROOT / p)
     return source
+
+
+def save_records(records, name: str = "records") -> Path:
+    """In-memory records (a list of dicts, or a `datasets.Dataset`) as a JSONL file under the cache, named by its
+    content (`<name>-<sha256>.jsonl`): what `tunekit.finetune(cfg, data=records)` trains on, so the prepared-data
+    cache and a resume key on the records' content as on any file. A record that is not a JSON object, or holds
+    a value JSON cannot write, is a DataError naming its position."""
+    if hasattr(records, "to_list") and hasattr(records, "column_names"):  # a datasets.Dataset
+        records = records.to_list()
+    if isinstance(records, (str, bytes, dict)) or not hasattr(records, "__iter__"):
+        raise DataError(f"data: expected a list of records (dicts) or a datasets.Dataset, not {type(records).__name__}"
+                        "; a file or a dataset name goes in the config's `data` field")
+    lines = []
+    for i, rec in enumerate(records, 1):
+        if not isinstance(rec, dict):
+            raise DataError(f"data: record {i} is {_json_type(rec)}, expected an object (a dict of fields).")
+        try:
+            lines.append(json.dumps(rec, ensure_ascii=False, allow_nan=False) + "\n")
+        except (TypeError, ValueError) as e:
+            raise DataError(f"data: record {i}: {e}. Give its fields text, numbers, lists or objects.") from None
+    if not lines:
+        raise DataError("data: no records.")
+    text = "".join(lines)
+    path = cache_root() / "records" / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:16]}.jsonl"
+    if not path.exists():
+        atomic_write_text(path, text)
+    return path
 
 
 def load_records(source: str, cache_dir: str | os.PathLike | None = None, fields: str = ""):
