@@ -64,6 +64,18 @@ def threads_for(cfg: TuneConfig, device: str):
             torch.set_num_threads(before)
 
 
+def with_config_threads(fn):
+    """`fn(cfg, ...)` under `threads_for(cfg, ...)`: the CPU threads a benchmark of `cfg` runs with, put back after
+    it, as `train` does for a run."""
+
+    @functools.wraps(fn)
+    def run(cfg: TuneConfig, *args, **kwargs):
+        with threads_for(cfg, mdl.resolve_device(cfg.device)):
+            return fn(cfg, *args, **kwargs)
+
+    return run
+
+
 def run_arch(cfg: TuneConfig, vocab_size: int):
     """The Llama config of a random-init run: the config's shape, its vocabulary or the tokenizer's."""
     return mdl.llama_config(cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.intermediate_size,

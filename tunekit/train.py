@@ -276,9 +276,9 @@ def _start(cfg: TuneConfig, run_dir: Path, resolved: TuneConfig, opened: _Opened
     metrics cut back to the resumed step, the resolved config. Returns the metrics rows kept."""
     if main and overwrite and (removed := checkpoint.remove_run(run_dir)):
         say(f"overwrite: removed the earlier run's {', '.join(removed)} from {run_dir}")
+    staged = stats.pop("staged", None)  # made in the cache: copied into the folder now that the run has started
     if main:  # the prepared data it trains on, and its record of them (data.json) that a resume checks
-        prepared.commit(run_dir, stats.pop("staged", None), stats, resumed=opened.ckpt is not None)
-    stats.pop("staged", None)
+        prepared.commit(run_dir, staged, stats, resumed=opened.ckpt is not None)
     if main and opened.ckpt is not None:  # their steps are done again
         found = checkpoint.checkpoints(run_dir)
         for later in found[found.index(opened.ckpt) + 1:]:

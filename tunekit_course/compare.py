@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from tunekit.build import with_config_threads
 from tunekit.results import code_file
 
 STACKS = ("hf_peft", "tunekit", "unsloth")
@@ -148,6 +149,10 @@ def _versions() -> dict:
 def run_stack(stack: str, cfg, folder: str = "") -> dict:
     """Time one stack's step of `cfg` in this process: a row of the comparison (tok/s, peak memory, first
     loss, step times)."""
+    return with_config_threads(lambda cfg: _run_stack(stack, cfg, folder))(cfg)
+
+
+def _run_stack(stack: str, cfg, folder: str) -> dict:
     from tunekit import bench, memory
     from tunekit.bench.step import _bench_step
     from tunekit.bench.timing import measure_step, median_error, spread

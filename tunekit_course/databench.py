@@ -30,6 +30,7 @@ import torch
 
 from tunekit import memory
 from tunekit.bench.timing import spread
+from tunekit.build import with_config_threads
 from tunekit.config import TuneConfig
 from tunekit.data.batching import Collator, EpochSampler, build_dataloader, default_num_workers, pack_dataset
 from tunekit.data.records import load_records, resolve_source
@@ -89,6 +90,7 @@ def plain_loader(ds, batch_size: int, pad_id: int, seed: int, epoch: int, **knob
                                        pin_memory=knobs.get("pin_memory", False), **extra)
 
 
+@with_config_threads
 def run_train_experiment(cfg: TuneConfig, steps: int = 15, warmup: int = 3, verbose: bool = True) -> dict:
     """C1, the GPU-wait half of C2, and packing, on one model built once (see module docstring)."""
     from tunekit.build import build_training, resolve_runtime
@@ -342,6 +344,7 @@ def write_synthetic_corpus(path: Path, megabytes: int, seed: int = 0) -> Path:
     return path
 
 
+@with_config_threads
 def run_loader_experiment(cfg: TuneConfig, batches: int = 100, verbose: bool = True) -> dict:
     from tunekit.build import resolve_runtime
     from tunekit.prepare import build_tokenizer

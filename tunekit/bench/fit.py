@@ -9,7 +9,7 @@ import time
 import torch
 
 from tunekit import estimate, fitting, memory
-from tunekit.build import build_training, resolve_runtime
+from tunekit.build import build_training, resolve_runtime, with_config_threads
 from tunekit.config import TuneConfig
 from tunekit.prepare import build_tokenizer
 from tunekit.results import new_result
@@ -31,6 +31,7 @@ def oom_advice(cfg: TuneConfig) -> str:
                    "`tunekit fit` finds the largest micro-batch by trying it.")
 
 
+@with_config_threads
 def find_micro_batch(cfg: TuneConfig, target_batch: int = 0, memory_gb: float = 0.0, name: str = "",
                      limit: int = 256, verbose: bool = True) -> dict:
     """The largest micro-batch of full-length (`max_length`) sequences that runs a training step, found by

@@ -40,7 +40,7 @@ from tunekit.bench.timing import (
     peak_flops,
     spread,
 )
-from tunekit.build import build_training, resolve_runtime
+from tunekit.build import build_training, resolve_runtime, with_config_threads
 from tunekit.config import TuneConfig
 from tunekit.model import count_parameters
 from tunekit.optim import optimizer_state_bytes
@@ -84,6 +84,7 @@ def _bench_step(cfg: TuneConfig, device: str, dtype: torch.dtype, vocab: int, ve
     return model, optimizer, scheduler, step
 
 
+@with_config_threads
 def run_bench(cfg: TuneConfig, name: str = "", verbose: bool = True, memory_cap_gb: float | None = None) -> dict:
     """Build the model of `cfg`, time its training step, and return a result dict (see module docstring).
     `memory_cap_gb` records the allocator cap the caller set (it sets none itself)."""
@@ -159,6 +160,7 @@ def categorize(name: str) -> str:
     return next((cat for cat, keys in PROFILE_CATEGORIES if any(k in low for k in keys)), "elementwise, other")
 
 
+@with_config_threads
 def profile_step(cfg: TuneConfig, steps: int = 3, warmup: int = 2, name: str = "", verbose: bool = True) -> dict:
     """Where one optimizer step of `cfg` spends its time: `torch.profiler` over `steps` steps after `warmup`,
     each kernel's own time (GPU kernels on CUDA, operators on CPU) summed by category (`PROFILE_CATEGORIES`,
