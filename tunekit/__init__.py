@@ -38,6 +38,23 @@ def finetune(cfg: TuneConfig, data=None, resume: bool = False, overwrite: bool =
     return Finished(train(cfg, resume=resume, overwrite=overwrite, allow_config_change=allow_config_change))
 
 
+def speed_up(model, **switches):
+    """Apply tunekit's speed-ups (fused LoRA, FP8 base weights, the chunked loss, regional compile, checkpointing
+    with offload, the attention kernel) to a transformers model you built, with or without a peft adapter; returns
+    the same model, ready for `Trainer`, `SFTTrainer` or a loop of your own. See `tunekit.hf.speed_up`."""
+    from tunekit.hf import speed_up as apply
+
+    return apply(model, **switches)
+
+
+def __getattr__(name: str):
+    if name == "PackingCollator":  # a class: imported on first use, as the functions' modules are
+        from tunekit.hf import PackingCollator
+
+        return PackingCollator
+    raise AttributeError(f"module 'tunekit' has no attribute {name!r}")
+
+
 def benchmark(cfg: TuneConfig, name: str = "") -> dict:
     """Time the training step of `cfg` as `tunekit bench` does; returns the result dict (not saved)."""
     from tunekit.bench.step import run_bench
@@ -56,4 +73,5 @@ def estimate_memory(cfg: TuneConfig) -> dict:
     return estimate_memory_for(Setup.of(cfg))
 
 
-__all__ = ["ConfigError", "TuneConfig", "benchmark", "estimate_memory", "finetune", "get_preset", "load_config"]
+__all__ = ["ConfigError", "PackingCollator", "TuneConfig", "benchmark", "estimate_memory", "finetune", "get_preset",
+           "load_config", "speed_up"]
