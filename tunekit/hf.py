@@ -73,8 +73,11 @@ def speed_up(model, *, fast_lora: bool | str = "auto", fp8: bool = False, loss: 
         done["grad_ckpt"] = "each decoder block" + (", what it keeps offloaded to CPU" if grad_ckpt_offload else "")
     done["loss"] = _loss(model, loss)
     if compile == "regional":
-        speedups.compile_step(model, model, "regional")
-        done["compile"] = f"regional: {len(decoder_layers(model))} decoder blocks"
+        # A trainer's batches change shape (rows of packed samples, widths of padded ones): each block compiled
+        # once for every shape, not again at the second one (a 7B block's compile is tens of seconds)
+        for layer in decoder_layers(model):
+            layer.forward = torch.compile(layer.forward, dynamic=True)
+        done["compile"] = f"regional: {len(decoder_layers(model))} decoder blocks, dynamic shapes"
     model.tunekit_speed_ups = done
     if verbose:
         print("tunekit.speed_up: " + "; ".join(f"{k} {v}" for k, v in done.items()))

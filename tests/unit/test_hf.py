@@ -146,7 +146,7 @@ def test_checkpointing_and_regional_compile_keep_the_numbers():
     fast = tunekit.speed_up(copy.deepcopy(plain), grad_ckpt=True, grad_ckpt_offload=True, compile="regional",
                             verbose=False)
     done = fast.tunekit_speed_ups
-    assert "offloaded" in done["grad_ckpt"] and done["compile"] == "regional: 2 decoder blocks"
+    assert "offloaded" in done["grad_ckpt"] and done["compile"] == "regional: 2 decoder blocks, dynamic shapes"
     ids, labels = batch()
     assert_same(loss_and_grads(fast, ids, labels), loss_and_grads(plain, ids, labels))
 
