@@ -490,7 +490,7 @@ def speed_table(rs: dict[str, dict]) -> str:
     far apart the stacks' first losses were (the same weights and tokens: they compute the same thing)."""
     rows = [("| run | setup | plain HF + peft | tunekit | Unsloth | tunekit vs plain | tunekit vs Unsloth "
              "| loss agreement | commit |"), "|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted((r for r in rs.values() if "stacks" in r), key=lambda r: r["name"]):
+    for r in sorted((r for r in rs.values() if str(r.get("call", "")).startswith("compare.")), key=lambda r: r["name"]):
         c = r["config"]
         setup = f"{c['method']} b{c['batch_size']}x{c['max_length']}" + (", ckpt" if c["grad_ckpt"] else "") + (
             " offloaded" if c.get("grad_ckpt_offload") else "") + (
@@ -789,9 +789,12 @@ def headline(rs: dict[str, dict]) -> str:
 
 def render_readme(text: str, rs: dict[str, dict]) -> str:
     """`text` with every generated block (`<!-- NAME:start -->` ... `<!-- NAME:end -->`) rendered anew."""
+    from tunekit_course.trl_race import trl_table
+
     blocks = {"headline": headline(rs), "results": format_table(sorted(step_results(rs), key=lambda r: r["name"])),
               "epochs": epoch_table(rs),
-              "claims": claims_table(rs), "reference": reference_table(rs), "speedpush": speed_table(rs)}
+              "claims": claims_table(rs), "reference": reference_table(rs), "speedpush": speed_table(rs),
+              "trl": trl_table(rs)}
     for name, body in blocks.items():
         pattern = re.compile(rf"(<!-- {name}:start -->\n)(?:.*?\n)?(<!-- {name}:end -->)", re.DOTALL)
         if not pattern.search(text):

@@ -206,3 +206,28 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def trl_table(rs: dict[str, dict]) -> str:
+    """Every TRL race result (`race`): each stack's real tok/s, padding, peak memory and first step (compilation
+    included) in that one run, tunekit's ratios, and how far apart the first losses of `trl` and `trl_tunekit`
+    were (the same samples and weights: the same loss)."""
+    rows = ["| run | stack | real tok/s | padding | peak GB | first step s | vs plain TRL | loss agreement | commit |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    labels = {"trl": "plain TRL (padded batches)", "trl_packing": "TRL, its own packing (`packing=True`)",
+              "trl_tunekit": "TRL + `tunekit.speed_up` + `tunekit.PackingCollator`"}
+    for r in sorted((r for r in rs.values() if str(r.get("call", "")).startswith("trl_race.")), key=lambda r: r["name"]):
+        plain = next((x for x in r["stacks"] if x["stack"] == "trl" and "tokens_per_s" in x), None)
+        for x in r["stacks"]:
+            if "tokens_per_s" not in x:
+                rows.append(f"| `{r['name']}` | {labels.get(x['stack'], x['stack'])} | failed | | | | | | |")
+                continue
+            ratio = f"{x['tokens_per_s'] / plain['tokens_per_s']:.2f}x" if plain else "-"
+            agree = f"{r['loss_agreement']:.1e}" if x["stack"] == "trl_tunekit" and r["loss_agreement"] is not None \
+                else ""
+            rows.append(f"| `{r['name']}` | {labels.get(x['stack'], x['stack'])} | {x['tokens_per_s']:,.0f} | "
+                        f"{x['padding']:.0%} | {x['peak_memory_gb']:.1f} | {x['first_step_s']:.0f} | {ratio} | "
+                        f"{agree} | {(r['commit'] or '-')[:7]} |")
+    if len(rows) == 2:
+        rows.append("| *(no TRL race result yet)* |  |  |  |  |  |  |  |  |")
+    return "\n".join(rows)
