@@ -65,7 +65,8 @@ def test_reference_table_marks_cited_figures():
 def test_render_readme_replaces_blocks_and_needs_them():
     text = "a\n<!-- headline:start -->\n<!-- headline:end -->\n<!-- epochs:start -->\n<!-- epochs:end -->\n" \
            "<!-- results:start -->\nOLD-BLOCK\n<!-- results:end -->\n<!-- claims:start -->\n<!-- claims:end -->\n" \
-           "<!-- reference:start -->\n<!-- reference:end -->\n<!-- speedpush:start -->\n<!-- speedpush:end -->\nz\n"
+           "<!-- reference:start -->\n<!-- reference:end -->\n<!-- speedpush:start -->\n<!-- speedpush:end -->\n" \
+           "<!-- trl:start -->\n<!-- trl:end -->\nz\n"
     out = claims.render_readme(text, {})
     assert "OLD-BLOCK" not in out and "| # | the article says |" in out and "14 days -> 3 (C16): unmeasured" in out
     assert out.startswith("a\n") and out.endswith("z\n")
@@ -78,7 +79,8 @@ def _compare(name, method, ckpt, stacks):
     rows = [{"stack": k, "tokens_per_s": v[0], "peak_memory_gb": v[1], "first_loss": 10.4} for k, v in stacks.items()]
     ok = {r["stack"]: r for r in rows}
     ratios = {f"tunekit_vs_{b}": ok["tunekit"]["tokens_per_s"] / ok[b]["tokens_per_s"] for b in ok if b != "tunekit"}
-    return {"name": name, "stacks": rows + [{"stack": "x", "skipped": "why"}], "ratios": ratios,
+    return {"name": name, "call": f"compare.run_compare({name!r})", "stacks": rows + [{"stack": "x", "skipped": "why"}],
+            "ratios": ratios,
             "loss_agreement": 1e-4, "tokens_per_s": ok["tunekit"]["tokens_per_s"], "commit": "abcdef0123",
             "peak_memory_gb": ok["tunekit"]["peak_memory_gb"],
             "config": {"method": method, "batch_size": 4, "max_length": 2048, "grad_ckpt": ckpt}}
