@@ -51,6 +51,27 @@ def _saved(result: dict | None, out: str) -> None:
         print(f"result -> {save_result(result, out)}")
 
 
+def env_memory_cap():
+    """(a `memory.memory_cap` context, its GB or None) from TUNEKIT_MEMORY_GB: `tunekit bench` and `tunekit train`
+    run as on a card of that size (the course's notebooks set it to fit a smaller GPU). Without a CUDA GPU there
+    is nothing to cap: it says so and caps nothing."""
+    import contextlib
+    import os
+
+    gb = float(os.environ.get("TUNEKIT_MEMORY_GB") or 0) or None
+    if gb is None:
+        return contextlib.nullcontext(), None
+    import torch
+
+    from tunekit import distributed, memory
+
+    if not torch.cuda.is_available():
+        print(f"TUNEKIT_MEMORY_GB={gb:g} ignored: no CUDA GPU to cap")
+        return contextlib.nullcontext(), None
+    print(f"TUNEKIT_MEMORY_GB={gb:g}: GPU memory capped at {gb:g} GB (memory.memory_cap)")
+    return memory.memory_cap(gb, device=distributed.local_rank()), gb
+
+
 def _doctor(args, cfg, rest) -> int:
     from tunekit import doctor
 
@@ -96,16 +117,20 @@ def _bench(args, cfg, rest) -> int:
         return 0
     if args.train_loop and args.repeat > 1:
         raise ValueError("--repeat applies to the step bench; run --train-loop once per process")
-    if args.profile:
-        result = bench.profile_step(cfg, name=args.name)
-    elif args.epoch:
-        result = bench.run_epoch(cfg, args.epoch, args.name)
-    elif args.train_loop:
-        result = bench.run_train_loop(cfg, args.name)
-    elif args.repeat > 1:
+    if args.repeat > 1:  # fresh processes, each capping itself (TUNEKIT_MEMORY_GB is theirs too)
         result = bench.measure_noise(args.preset, rest, args.name or f"noise_{cfg.preset}", args.repeat)
-    else:
-        result = bench.run_bench(cfg, args.name)
+        _saved(result, args.out)
+        return 0
+    cap, gb = env_memory_cap()
+    with cap:
+        if args.profile:
+            result = bench.profile_step(cfg, name=args.name)
+        elif args.epoch:
+            result = bench.run_epoch(cfg, args.epoch, args.name)
+        elif args.train_loop:
+            result = bench.run_train_loop(cfg, args.name)
+        else:
+            result = bench.run_bench(cfg, args.name, memory_cap_gb=gb)
     _saved(result, args.out)
     return 0
 
@@ -228,8 +253,10 @@ def train(args, rest: list[str], argv: list[str]) -> int:
     try:
         cfg = resolve(args.preset, rest)
         out_dir = cfg.out_dir
-        summary = tr.train(cfg, resume=args.resume, overwrite=args.overwrite,
-                           allow_config_change=args.allow_config_change)
+        cap, _ = env_memory_cap()
+        with cap:
+            summary = tr.train(cfg, resume=args.resume, overwrite=args.overwrite,
+                               allow_config_change=args.allow_config_change)
     except Diverged as e:
         say_error(f"tunekit train: {e}")
         return 1

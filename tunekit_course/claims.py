@@ -50,6 +50,11 @@ def _row(r: dict, variant_prefix: str) -> dict:
     return next(x for x in r["rows"] if x["variant"].startswith(variant_prefix))
 
 
+def _gpu(r: dict) -> str:
+    """The GPU a result was measured on, without the vendor: "H200"."""
+    return (r.get("gpu") or "CPU").removeprefix("NVIDIA ")
+
+
 def _tps(x: float) -> str:
     return f"{x:,.0f}"
 
@@ -169,7 +174,7 @@ def c7(rs: dict[str, dict]) -> Verdict:
     ratio, words = compare(ours, guides, noise_results(rs))
     ok = max(guides["peak_memory_gb"], ours["peak_memory_gb"]) <= cap
     return Verdict("C7", "holds for a 24 GB card" if ok else "does not hold",
-                   f"under a {cap:g} GB allocator cap on the H200, QLoRA batch 4 x 2048 with checkpointing took "
+                   f"under a {cap:g} GB allocator cap on the {_gpu(ours)}, QLoRA batch 4 x 2048 with checkpointing took "
                    f"{guides['peak_memory_gb']:.2f} GB set up as peft's guides do and {ours['peak_memory_gb']:.2f} GB with "
                    f"tunekit ({words} the speed); the largest micro-batch that ran under the cap was "
                    f"{fit['micro_batch']} (`tunekit fit`)", (guides["name"], ours["name"], fit["name"]))
@@ -223,7 +228,7 @@ def c10(rs: dict[str, dict]) -> Verdict:
     d, f = ddp["tokens_per_s"] / one["tokens_per_s"], fsdp["tokens_per_s"] / one["tokens_per_s"]
     verdict = "holds on 2 GPUs; 8 unmeasured" if d > f else "does not hold on 2 GPUs; 8 unmeasured"
     return Verdict("C10", verdict,
-                   f"on {n} H200s, LoRA 7B (fits one GPU): DDP keeps {d:.1%} of one GPU's {_tps(one['tokens_per_s'])} "
+                   f"on {n} {_gpu(ddp)}s, LoRA 7B (fits one GPU): DDP keeps {d:.1%} of one GPU's {_tps(one['tokens_per_s'])} "
                    f"tok/s per GPU at {ddp['peak_memory_gb']:.1f} GB, FSDP2 {f:.1%} at {fsdp['peak_memory_gb']:.1f} GB; "
                    f"full fine-tuning: FSDP2 {_tps(full['tokens_per_s'])} tok/s per GPU at {full['peak_memory_gb']:.1f} GB "
                    f"(batch {full['config']['batch_size']} per GPU), where one GPU alone needs "
@@ -249,10 +254,11 @@ def c11(rs: dict[str, dict]) -> Verdict:
         _, words = compare(rs["l3_ddp_lora_p2p_off"], rs["l3_ddp_lora_p2p_on"], noise_results(rs))
         step = (f"; yet the DDP LoRA 7B step with P2P disabled runs at {words} its speed with P2P (its 40 M "
                 "adapter gradients are little to all-reduce)")
+    link = " (NVLink)" if _gpu(base) == "H200" else ""  # the published machine's link; another's is unknown here
     verdict = ("holds for P2P, not for InfiniBand within one machine" if slow and "NCCL_IB_DISABLE=1" not in slow
                else "holds" if slow else "not here")
     return Verdict("C11", verdict,
-                   f"all-reduce bus bandwidth between 2 H200s (NVLink), 256 MB: {base['busbw_gbps']:,.0f} GB/s as set "
+                   f"all-reduce bus bandwidth between {base['world_size']} {_gpu(base)}s{link}, 256 MB: {base['busbw_gbps']:,.0f} GB/s as set "
                    f"up; {'; '.join(parts)}{step}. A NCCL_SOCKET_IFNAME naming no interface is refused at start "
                    "(tunekit checks it)", tuple(n for n in (*NCCL_RUNS, "l3_ddp_lora_p2p_on", "l3_ddp_lora_p2p_off") if n in rs))
 

@@ -1,9 +1,25 @@
-"""Helpers the course notebooks share: choosing the preset for the hardware, running commands, results.
+"""Helpers the course notebooks share: choosing the preset for the hardware, measuring on this machine, the
+published results beside yours, and the lesson plans.
 
 A notebook picks the real (GPU) preset when a CUDA GPU is present and the tiny one otherwise, or whenever
-TUNEKIT_SMOKE=1 — so the same notebook runs on an H200 for the course and on a CPU in CI. Heavy runs go
+TUNEKIT_SMOKE=1 — so the same notebook runs on any GPU for the course and on a CPU in CI. Heavy runs go
 through the `tunekit` command in a child process: the GPU memory is freed when it exits, and the notebook
 reads the result file back.
+
+Where results go, and what the notebooks read:
+
+- On a GPU a lesson measures *this* GPU: `measure` runs each command and writes its result to your own folder,
+  `runs/results/<the GPU's name>` (`results_dir`, git-ignored), never to the published `notebooks/results`.
+  A result you measured before on this GPU is read back and says so; TUNEKIT_REMEASURE=1 measures again.
+  A config that would not fit this GPU's memory runs as the nearest one that does (`fit_here`), and says which;
+  TUNEKIT_MEMORY_GB=N runs as on a card of N GB (the child processes are capped there too).
+- TUNEKIT_REPLAY=1 replays the published run instead of measuring: `measure` reads `notebooks/results`,
+  which is then read-only (nothing is written), on a laptop as on a GPU.
+- Beside your figures the notebooks show the published H200 ones (`published`, `beside`, `plot_beside`) and
+  beside your verdicts the published verdicts (`verdict`).
+- Publishing is the course's own step: `python -m tunekit_course.notebook --publish [FOLDER]` copies a folder of
+  results (this GPU's by default) into `notebooks/results`.
+- In smoke mode results go to `runs/smoke-results`, a scratch folder.
 
 Committed notebooks are read untrusted, in JupyterLab or on GitHub, where widgets do not render: `clean_outputs`
 turns the progress-bar widgets of `datasets`/`transformers` (tqdm) into the plain text of their final state,
@@ -13,6 +29,7 @@ so they do not read "0%" forever.
 from __future__ import annotations
 
 import html
+import json
 import os
 import re
 import subprocess
@@ -21,9 +38,13 @@ from pathlib import Path
 
 import torch
 
+from tunekit import results
 from tunekit.config import REPO_ROOT
 from tunekit.optim import BNB_OPTIMIZERS
 from tunekit_course import RESULTS
+
+RUNS = REPO_ROOT / "runs"  # your own folders (git-ignored): results by GPU, scratch runs, compile caches
+PUBLISHED_GPU = "NVIDIA H200"  # where the published results (notebooks/results) were measured
 
 
 def smoke_mode() -> bool:
@@ -34,6 +55,16 @@ def smoke_mode() -> bool:
 def on_gpu() -> bool:
     """True when the notebook should run its real, GPU-sized experiments."""
     return torch.cuda.is_available() and not smoke_mode()
+
+
+def replay_mode() -> bool:
+    """True when TUNEKIT_REPLAY=1: the notebooks read the published results instead of measuring."""
+    return os.environ.get("TUNEKIT_REPLAY", "") not in ("", "0")
+
+
+def gpu_results() -> bool:
+    """True when a lesson's results are GPU-sized ones: measured on this GPU, or replayed from the published run."""
+    return on_gpu() or replay_mode()
 
 
 def pick_preset(gpu_preset: str) -> str:
@@ -60,7 +91,7 @@ def config_for(gpu_preset: str, **overrides):
     FlexAttention -> SDPA: flex has no backward on CPU; Liger and FP8 off: GPU kernels), so every cell runs."""
     from tunekit.presets import get_preset, tiny
 
-    if on_gpu():
+    if gpu_results():  # replayed: the published run's configs (nothing runs them here)
         return get_preset(gpu_preset, **overrides)
     gpu_fields = get_preset(gpu_preset)
     keep = ("method", "grad_ckpt", "grad_ckpt_offload", "embed_offload", "optimizer", "loss", "lora_input_cast",
@@ -74,18 +105,165 @@ def config_for(gpu_preset: str, **overrides):
     if kw["method"] != "qlora":
         kw.pop("peft_kbit_prepare", None)  # QLoRA's own preparation
     kw["batch_size"] = min(kw["batch_size"], 8)
-    return tiny(**kw, vocab_size=1024, max_length=128, out_dir=str(REPO_ROOT / "runs" / "smoke"))
+    return tiny(**kw, vocab_size=1024, max_length=128, out_dir=str(RUNS / "smoke"))
+
+
+def slug(text: str) -> str:
+    """A folder name for a GPU's name: "NVIDIA H200" -> "nvidia-h200"."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "gpu"
+
+
+def gpu_folder() -> Path:
+    """This machine's own folder of results: runs/results/<its GPU's name> (`slug`)."""
+    return RUNS / "results" / slug(torch.cuda.get_device_name())
 
 
 def results_dir() -> Path:
-    """Where this run's results go: the published folder on a GPU, a scratch folder in smoke mode, so a
-    CPU run never overwrites the GPU results the notebooks are read with."""
-    return RESULTS if on_gpu() else REPO_ROOT / "runs" / "smoke-results"
+    """Where this run's results go: on a GPU your own folder for this GPU (`gpu_folder`), never the published
+    one; in smoke mode a scratch folder; in replay mode (TUNEKIT_REPLAY=1) the published folder, read-only."""
+    if replay_mode():
+        return RESULTS
+    return gpu_folder() if on_gpu() else RUNS / "smoke-results"
+
+
+def here() -> dict[str, dict]:
+    """{name: result} of the results in `results_dir()` ({} before the first): yours, or the published ones in
+    replay mode."""
+    out = results_dir()
+    return results.by_name(out) if out.is_dir() else {}
+
+
+def published(name: str) -> dict | None:
+    """The published result NAME (notebooks/results/NAME.json), or None."""
+    path = RESULTS / f"{name}.json"
+    return results.load_results(path)[0] if path.exists() else None
+
+
+def save(result: dict) -> Path | None:
+    """Save a result a cell measured in this kernel to `results_dir()`; in replay mode nothing is written."""
+    if replay_mode():
+        print(f"{result['name']}: not saved (replay mode: the published results are read-only)")
+        return None
+    path = results.save_result(result, results_dir())
+    print(f"result -> {path}")
+    return path
+
+
+def _where(r: dict) -> str:
+    """The GPU a result was measured on, in a few words: "H200", "2x H200"."""
+    gpu = (r.get("gpu") or "CPU").removeprefix("NVIDIA ")
+    return f"{r['world_size']}x {gpu}" if (r.get("world_size") or 1) > 1 else gpu
+
+
+def _when(r: dict) -> str:
+    return r["date"][:16].replace("T", " ") + " UTC"
+
+
+def _command(args) -> str:
+    """`tunekit ARGS` as the notebook prints it, without the result folder (a path of this machine)."""
+    return re.sub(r" --out[ =]\S+", "", " ".join(map(str, args)))
+
+
+def entry_of(r: dict) -> str:
+    """The command that made result `r`, without its result folder (a path of the machine that ran it)."""
+    return _command([r.get("entry") or "-"])
+
+
+def _replayed(args) -> bool:
+    """In replay mode a command that writes a result file is not run (the cell reads the published one)."""
+    if replay_mode() and "--out" in map(str, args):
+        print(f"(replay mode: `tunekit {_command(args)}` not run; the cell reads the published result)")
+        return True
+    return False
+
+
+# ---- fitting a run to this GPU's memory -------------------------------------------------------------------
+
+
+def memory_budget() -> tuple[float, str]:
+    """(bytes a run may hold on this GPU, the GPU in words): TUNEKIT_MEMORY_GB when set ("run as on a card of
+    this size"), else GPU 0's memory less the CUDA context (tunekit/estimate.py's allowance for it)."""
+    from tunekit.estimate import CUDA_CONTEXT_BYTES
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    if gb := memory_cap_gb():
+        return min(gb * 1e9, total - CUDA_CONTEXT_BYTES), f"a card of {gb:g} GB (TUNEKIT_MEMORY_GB)"
+    return total - CUDA_CONTEXT_BYTES, f"{torch.cuda.get_device_name()} ({total / 2**30:.0f} GiB)"
+
+
+def memory_cap_gb() -> float | None:
+    """TUNEKIT_MEMORY_GB as a number ("run as on a card of this size"), or None: for runs in the kernel, which
+    `memory.memory_cap` there as the child processes do."""
+    return float(os.environ["TUNEKIT_MEMORY_GB"]) if os.environ.get("TUNEKIT_MEMORY_GB") else None
+
+
+def _flags(change: dict) -> list[str]:
+    return [f"--{k.replace('_', '-')}={str(v).lower() if isinstance(v, bool) else v}" for k, v in change.items()]
+
+
+def fit_here(args: list, nproc: int = 1) -> list[str]:
+    """`tunekit ARGS...` fitted to this GPU's memory (or TUNEKIT_MEMORY_GB's card): unchanged when the estimated
+    peak of its config fits (tunekit/estimate.py, with the caching allocator's reserve, as `tunekit estimate`
+    counts it); otherwise, said in a line, the nearest config that fits: gradient checkpointing on, then QLoRA
+    with checkpointing, then QLoRA with the checkpoints and embeddings in CPU memory and 8-bit AdamW, each at the
+    largest micro-batch up to the one asked for that the estimator says fits, with the accumulation that keeps
+    the samples of a step. Only `bench` and `train` of a preset; a no-op in smoke mode (on a CPU) and where the
+    estimator does not apply (fp32 steps, `--compare`'s other stacks)."""
+    args = [str(a) for a in args]
+    if not on_gpu() or not args or args[0] not in ("bench", "train"):
+        return args
+    from tunekit import cli, fitting
+    from tunekit.config import ConfigError
+    from tunekit.estimate import Setup, estimate_memory_for
+    from tunekit.presets import resolve
+
+    parsed, rest = cli.make_parser().parse_known_args(args)
+    if getattr(parsed, "compare", False):
+        return args
+    try:
+        cfg = resolve(parsed.preset, rest)
+        setup = Setup.of(cfg, world_size=nproc)
+        need = estimate_memory_for(setup)["total"]
+    except (ConfigError, ValueError):
+        return args
+    budget, where = memory_budget()
+    factor = fitting.RESERVE_FACTOR
+    if need * factor <= budget:
+        return args
+    print(f"does not fit {where}: the estimated peak at micro-batch {cfg.batch_size} x {cfg.max_length} is "
+          f"{need / 1e9:.1f} GB (~{need * factor / 1e9:.1f} GB with the allocator's reserve) against "
+          f"{budget / 1e9:.1f} GB allocatable")
+    low = {"method": "qlora", "grad_ckpt": True, "grad_ckpt_offload": True, "embed_offload": True,
+           "optimizer": "adamw8bit"}
+    tries = [("gradient checkpointing on" if not cfg.grad_ckpt else "a smaller micro-batch", {"grad_ckpt": True})]
+    if cfg.method != "full":
+        tries += [("QLoRA with gradient checkpointing", {"method": "qlora", "grad_ckpt": True}),
+                  ("QLoRA, checkpoints and embeddings in CPU memory, 8-bit AdamW", low)]
+    for label, change in tries:
+        change = {k: v for k, v in change.items() if getattr(cfg, k) != v}
+        micro = fitting.estimate_max_batch(setup.but(**change), budget, limit=cfg.batch_size)
+        if micro == 0:
+            continue
+        if micro < cfg.batch_size:
+            change.update(batch_size=micro, grad_accum=fitting.grad_accum_for(cfg.batch_size * cfg.grad_accum, micro))
+        try:
+            resolve(parsed.preset, [*rest, *_flags(change)])
+        except ConfigError:
+            continue
+        est = estimate_memory_for(setup.but(**{k: v for k, v in change.items() if k != "grad_accum"}))["total"]
+        print(f"running the nearest config that fits instead: {label}, micro-batch {micro}"
+              + (f" x {change['grad_accum']} accumulated" if "grad_accum" in change else "")
+              + f" (estimate {est / 1e9:.1f} GB): {' '.join(_flags(change))}")
+        return [*args, *_flags(change)]
+    print(fitting.cannot_fit_message(setup, budget) + "\nrunning it as asked all the same")
+    return args
 
 
 def run(*args: str, check: bool = True, env: dict | None = None) -> int:
     """Run `tunekit ARGS...` in a child process, streaming its output into the notebook; `env` adds
     variables for this run only."""
+    if _replayed(args):
+        return 0
     cmd = [sys.executable, "-m", "tunekit.cli", *map(str, args)]
     extra = " ".join(f"{k}={v}" for k, v in (env or {}).items())
     print(f"$ {extra + ' ' if extra else ''}tunekit " + " ".join(map(str, args)), flush=True)
@@ -105,6 +283,8 @@ def torchrun(nproc: int, *args: str, env: dict | None = None, check: bool = True
     starts a process group in its own kernel: each launch is a fresh set of processes."""
     import socket
 
+    if _replayed(args):
+        return 0
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -136,19 +316,24 @@ def torchrun(nproc: int, *args: str, env: dict | None = None, check: bool = True
 
 
 def measure(name: str, nproc: int, *args, env: dict | None = None) -> None:
-    """Run `tunekit ARGS... --name NAME --out <results>` on `nproc` processes (1: a plain child process), unless
-    on a GPU the published result NAME exists: then say where it came from and read it as it is.
-    TUNEKIT_REMEASURE=1 measures again."""
+    """Measure `tunekit ARGS... --name NAME --out <results_dir()>` here, on `nproc` processes (1: a plain child
+    process), its config fitted to this GPU first (`fit_here`). On a GPU your own earlier result NAME in this
+    GPU's folder is read back instead, and says so (TUNEKIT_REMEASURE=1 measures again); the published result
+    is never taken for yours. In replay mode (TUNEKIT_REPLAY=1) the published result NAME is read instead, and
+    nothing runs or is written."""
+    if replay_mode():
+        r = published(name)
+        print(f"{name}: replaying the published {_where(r)} result of {_when(r)} (not measured here)" if r else
+              f"{name}: no published result to replay")
+        return
     out = results_dir()
     path = out / f"{name}.json"
     if on_gpu() and path.exists() and os.environ.get("TUNEKIT_REMEASURE", "") in ("", "0"):
-        import json
-
         r = json.loads(path.read_text())
-        print(f"{name}: the published result of {r['date'][:16]}, commit {str(r['commit'])[:7]}, made by "
-              f"`{r['entry'].split(': ')[-1]}` (TUNEKIT_REMEASURE=1 measures it again)")
+        print(f"{name}: your measurement of {_when(r)} on this GPU ({_where(r)}); TUNEKIT_REMEASURE=1 measures "
+              "again")
         return
-    args = (*args, "--name", name, "--out", out)
+    args = (*fit_here(list(args), nproc), "--name", name, "--out", out)
     if nproc == 1:
         run(*args, env=env)
     else:
@@ -196,14 +381,268 @@ def cache_env(cache: str) -> dict:
     left it)."""
     import shutil
 
-    if not cache:
+    if not cache or replay_mode():  # replayed: nothing compiles, nothing is emptied
         return {}
     state, _, key = cache.partition(":")
-    folder = REPO_ROOT / "runs" / "compile-cache" / key
+    folder = RUNS / "compile-cache" / key
     if state == "cold":
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
     return {"TORCHINDUCTOR_CACHE_DIR": str(folder), "TRITON_CACHE_DIR": str(folder / "triton")}
+
+
+# ---- yours beside the published run ----------------------------------------------------------------------
+
+# how `beside` writes a value of each key (default: 4 significant digits)
+FORMATS = {"tokens_per_s": "{:,.0f} tok/s", "peak_memory_gb": "{:.1f} GB", "busbw_gbps": "{:,.0f} GB/s",
+           "step_time_s": "{:.3f} s", "first_step_s": "{:.1f} s", "optimizer_state_gb": "{:.2f} GB",
+           "samples_per_s": "{:,.1f} samples/s"}
+
+
+def _value(r: dict | None, key: str):
+    """`r[key]`, a dotted key reading into dicts (`timings.first_step_s`); None where it is missing."""
+    for part in key.split("."):
+        r = r.get(part) if isinstance(r, dict) else None
+    return r if isinstance(r, (int, float)) and not isinstance(r, bool) else None
+
+
+def _fmt(key: str, v) -> str:
+    if v is None:
+        return "-"
+    if key.endswith("_s_projected"):
+        return f"{v / 60:,.1f} min"
+    return FORMATS.get(key.rsplit(".", 1)[-1], "{:,.4g}").format(v)
+
+
+def _changed(mine: dict, pub: dict) -> str:
+    """What of the config a fitted run changed against the published one: "batch 4 -> 2, grad_ckpt on"."""
+    a, b = mine.get("config") or {}, pub.get("config") or {}
+    out = [f"batch {b.get('batch_size')} -> {a.get('batch_size')}"] if a.get("batch_size") != b.get("batch_size") else []
+    out += [f"{k} {'on' if a.get(k) else 'off'}" for k in ("grad_ckpt", "grad_ckpt_offload", "embed_offload")
+            if bool(a.get(k)) != bool(b.get(k))]
+    out += [f"{k} {a.get(k)}" for k in ("method", "optimizer") if a.get(k) != b.get(k)]
+    return ", ".join(out)
+
+
+def _here_label(rs: dict[str, dict]) -> str:
+    if not on_gpu():
+        return "here (smoke: tiny model, CPU)"
+    gpus = {r.get("gpu") for r in rs.values() if r.get("gpu")}
+    return f"here, {gpus.pop() if len(gpus) == 1 else torch.cuda.get_device_name()}"
+
+
+def beside(names, key: str = "tokens_per_s", mine: dict[str, dict] | None = None) -> str:
+    """A plain-text table of results `names`: your value of `key` (`mine`, default `here()`), labelled with your
+    GPU, the published one (labelled "published, NVIDIA H200"), and the ratio here / published where it means
+    something (both measured, on a GPU: a smoke run's tiny model is no match for the 7B). A run `fit_here`
+    changed is starred, with what changed. In replay mode: the published column alone."""
+    names = list(names)
+    pub = {n: published(n) for n in names}
+    label = f"published, {PUBLISHED_GPU}"
+    if replay_mode():
+        width = max(map(len, names), default=6) + 2
+        lines = [f"{'result':<{width}}{label} (replayed)"]
+        lines += [f"{n:<{width}}{_fmt(key, _value(pub[n], key))}" for n in names]
+        return "\n".join(lines)
+    mine = here() if mine is None else mine
+    rows, notes = [], []
+    for n in names:
+        a, b = _value(mine.get(n), key), _value(pub[n], key)
+        star = ""
+        if n in mine and pub[n] and on_gpu() and (what := _changed(mine[n], pub[n])):
+            star = "*"
+            notes.append(f"* {n}: ran with {what}, not as published (fit_here: to fit this GPU)")
+        ratio = f"{a / b:.2f}x" if on_gpu() and a is not None and b else "-"
+        rows.append((n, _fmt(key, a) + star, _fmt(key, b), ratio))
+    head = ("result", _here_label(mine), label, "here / published")
+    widths = [max(len(r[i]) for r in [head, *rows]) + 2 for i in range(4)]
+    lines = ["".join(f"{c:<{w}}" for c, w in zip(r, widths)).rstrip() for r in [head, *rows]]
+    return "\n".join(lines + notes)
+
+
+def plot_beside(names, key: str = "tokens_per_s", title: str = "", mine: dict[str, dict] | None = None,
+                reference: dict[str, float] | None = None):
+    """Bars of `key` per result: yours (labelled with your GPU) beside the published one, and `reference`'s
+    labelled vertical lines (cited figures, say); the figure."""
+    import matplotlib.pyplot as plt
+
+    names = list(names)
+    pub = [_value(published(n), key) or 0 for n in names]
+    fig, ax = plt.subplots(figsize=(9, 0.55 * len(names) + 1.5))
+    y = range(len(names))
+    if replay_mode():
+        ax.barh(list(y), pub, color="tab:gray", label=f"published, {PUBLISHED_GPU} (replayed)")
+    else:
+        mine = here() if mine is None else mine
+        ax.barh([i - 0.2 for i in y], [_value(mine.get(n), key) or 0 for n in names], height=0.4,
+                color="tab:blue", label=_here_label(mine))
+        ax.barh([i + 0.2 for i in y], pub, height=0.4, color="tab:gray", label=f"published, {PUBLISHED_GPU}")
+    for text, value in (reference or {}).items():
+        ax.axvline(value, ls="--", color="gray")
+        ax.text(value, -0.5, f" {text}", rotation=90, va="top", fontsize=8, color="gray")
+    ax.set_yticks(list(y), names)
+    ax.invert_yaxis()
+    ax.set_xlabel(key.replace("_", " "))
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+# what a claim's reading of results it does not expect (a run fitted to a smaller GPU, say) may raise
+JUDGE_ERRORS = (KeyError, TypeError, ValueError, ZeroDivisionError, StopIteration, IndexError)
+
+
+def _machine(rs: dict[str, dict], v, default: str) -> str:
+    from tunekit_course import claims
+
+    m = claims.machine_of(rs, v.files)
+    return default if m == "-" else m
+
+
+def verdict(claim: str, mine: dict[str, dict] | None = None):
+    """Print the verdict on `claim` from your results (`mine`, default `here()`) and the published verdict
+    beside it, each labelled with where it was measured; returns yours (None in smoke or replay mode, where
+    the published one is printed alone)."""
+    from tunekit_course import claims
+
+    rs = results.by_name(RESULTS)
+    pub = claims.judge(claim, rs)
+    pub_line = f"published, {_machine(rs, pub, PUBLISHED_GPU)}{' (replayed)' if replay_mode() else ''}: {pub}"
+    if replay_mode():
+        print(pub_line)
+        return None
+    if not on_gpu():
+        print(f"{claim} from this run: no verdict (a smoke run on a tiny model)\n{pub_line}")
+        return None
+    mine = here() if mine is None else mine
+    try:
+        yours = claims.judge(claim, mine)
+    except JUDGE_ERRORS as e:  # a fitted run the claim's reading does not expect: say so, show the published one
+        print(f"{claim} from your results: not judged ({type(e).__name__}: {e})\n{pub_line}")
+        return None
+    if yours.verdict == "unmeasured":  # the file is missing from your folder, not from the published one
+        yours.evidence = yours.evidence.replace("in notebooks/results", "among your results here")
+    print(f"yours, {_machine(mine, yours, torch.cuda.get_device_name())}: {yours}")
+    print(pub_line)
+    return yours
+
+
+def verdicts_table(mine: dict[str, dict] | None = None) -> str:
+    """A markdown table of every claim: the verdict from your results beside the published one."""
+    from tunekit_course import claims
+
+    mine = here() if mine is None else mine
+    rs = results.by_name(RESULTS)
+    rows = [f"| # | yours ({_here_label(mine).removeprefix('here, ')}) | published, {PUBLISHED_GPU} |", "|---|---|---|"]
+    for claim in claims.CLAIMS:
+        try:
+            yours = claims.judge(claim, mine).verdict
+        except JUDGE_ERRORS as e:
+            yours = f"not judged ({type(e).__name__})"
+        rows.append(f"| {claim} | {yours} | {claims.judge(claim, rs).verdict} |")
+    return "\n".join(rows)
+
+
+# ---- how long a lesson takes ------------------------------------------------------------------------------
+
+START_S = 10  # a child process's start (imports, the CUDA context), which no result file records
+
+
+def run_seconds(r: dict) -> float:
+    """About how long the run that made result `r` took: its wall time where recorded, else its build, warm-up
+    (the first step among it) and timed steps, with the runs a result is made of (a noise result's processes,
+    a comparison's stacks, a sweep's rows, a fit's trials)."""
+    if r.get("wall_s"):
+        return r["wall_s"]
+    s = r.get("build_s") or 0
+    s += sum(r["warmup_step_times_s"]) if r.get("warmup_step_times_s") else r.get("first_step_s") or 0
+    s += (r.get("step_time_s") or 0) * len(r.get("step_times_s") or [])
+    s += r.get("total_s") or r.get("seconds") or 0
+    s += (r.get("steps") or 0) * ((r.get("compute_s_per_step") or 0) + (r.get("data_s_per_step") or 0))
+    for key in ("runs", "stacks", "rows", "trials"):
+        s += sum(run_seconds(x) for x in r.get(key) or [] if isinstance(x, dict))
+    return s
+
+
+def lesson_seconds(*prefixes: str, skip: tuple[str, ...] = (), rs: dict[str, dict] | None = None) -> float:
+    """The published run's time for the results whose names start with `prefixes` (a lesson's: "l3_"), less
+    those starting with `skip`: `run_seconds` of each plus `START_S`."""
+    rs = results.by_name(RESULTS) if rs is None else rs
+    picked = [r for n, r in rs.items() if prefixes and n.startswith(prefixes) and not (skip and n.startswith(skip))]
+    return sum(run_seconds(r) + START_S for r in picked)
+
+
+def _minutes(seconds: float) -> str:
+    m = seconds / 60
+    return "under a minute" if m < 1 else f"about {m:.0f} min" if m < 90 else f"about {m / 60:.1f} h"
+
+
+def gpu_label() -> str:
+    """This machine's GPUs in words: "NVIDIA H200 (140 GiB)", "2 x NVIDIA H200 (140 GiB each)"."""
+    n, name = torch.cuda.device_count(), torch.cuda.get_device_name()
+    gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    return f"{name} ({gib:.0f} GiB)" if n <= 1 else f"{n} x {name} ({gib:.0f} GiB each)"
+
+
+def intro(*prefixes: str, skip: tuple[str, ...] = ()) -> str:
+    """Print (and return) one sentence for a lesson's first cell: what it is about to measure, where, and how long
+    its measurements took on the published H200 run (an estimate from its result files: `lesson_seconds` of the
+    lesson's results, by name prefix). No prefixes: a lesson that reads the published results and checks a
+    little live."""
+    took = _minutes(lesson_seconds(*prefixes, skip=skip))
+    if not prefixes:
+        text = ("this lesson's benchmark tables are the published NVIDIA H200 results (each with the command that "
+                "made it), and only its parity check runs here, in seconds.")
+        text = (f"replay mode (TUNEKIT_REPLAY=1), which changes nothing in this lesson: {text}" if replay_mode() else
+                f"On {gpu_label()} here: {text}" if on_gpu() else f"smoke mode: tiny model on CPU; {text}")
+    elif replay_mode():
+        text = (f"replay mode (TUNEKIT_REPLAY=1): this lesson reads the published {PUBLISHED_GPU} results instead of "
+                f"measuring (they took {took} to measure there, an estimate) and writes nothing.")
+    elif not on_gpu():
+        text = (f"smoke mode: tiny model on CPU, a few minutes at most; on a GPU this lesson measures the 7B shape "
+                f"(the published H200 run took {took}, an estimate), shown beside this run's figures.")
+    else:
+        cap = memory_cap_gb()
+        text = (f"This lesson measures {gpu_label()} here"
+                + (f", as a card of {cap:g} GB (TUNEKIT_MEMORY_GB)" if cap else "")
+                + f"; on the published H200 run its measurements took {took} (an estimate from the published "
+                  "results' build and step times), more on a slower GPU. Results -> "
+                + str(results_dir().relative_to(REPO_ROOT) if results_dir().is_relative_to(REPO_ROOT) else
+                      results_dir()) + ".")
+    print(text)
+    return text
+
+
+def publish(folder: str | Path | None = None) -> list[Path]:
+    """Copy the result files of `folder` (default: this machine's GPU folder, `gpu_folder()`) into the published
+    folder, notebooks/results, with the chart of the same name beside any; print each. The course's own step
+    (`python -m tunekit_course.notebook --publish [FOLDER]`): a notebook never writes there."""
+    import shutil
+
+    if folder is None:
+        if not torch.cuda.is_available():
+            raise FileNotFoundError("no CUDA GPU here, so no GPU folder of results: name the folder to publish "
+                                    "(python -m tunekit_course.notebook --publish runs/results/GPU)")
+        folder = gpu_folder()
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder} does not exist: nothing to publish (measure first, or name the folder)")
+    if folder.resolve() == RESULTS.resolve():
+        raise ValueError(f"{folder} is the published folder itself")
+    files = sorted(folder.glob("*.json"))
+    if not files:
+        raise FileNotFoundError(f"{folder} holds no result files: nothing to publish")
+    results.load_results(*files)  # each a tunekit result, or nothing is copied
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for f in files:
+        for src in (f, f.with_suffix(".png")):
+            if src.exists():
+                shutil.copy2(src, RESULTS / src.name)
+                copied.append(RESULTS / src.name)
+                print(f"published {src.name} (from {folder})")
+    return copied
 
 
 def lesson4_plan(gpu: bool) -> dict[str, list[tuple[str, list, str]]]:
@@ -484,24 +923,40 @@ def clean_outputs(nb):
     return nb
 
 
-if __name__ == "__main__":
+def main(argv: list[str]) -> int:
     # python -m tunekit_course.notebook NOTEBOOK...        execute notebooks in place
     # python -m tunekit_course.notebook --measure 4 GPUS   lesson 4's plan on GPUS GPUs at once (the notebook then reads it)
     # python -m tunekit_course.notebook --measure 4 GPUS SECTION,SECTION   only those sections
     # python -m tunekit_course.notebook --measure 5 GPUS [NAME,NAME]      lesson 5's runs (or those of them)
-    # python -m tunekit_course.notebook --measure scaling GPUS [WORKLOAD,...]  issue 15: 1, 2, 4, 8 GPUs up to GPUS
-    if sys.argv[1:3] == ["--measure", "scaling"]:
-        measure_scaling(int(sys.argv[3]), tuple(sys.argv[4].split(",")) if len(sys.argv) > 4 else
-                        tuple(SCALING_WORKLOADS))
-    elif sys.argv[1:3] == ["--measure", "5"]:  # python -m tunekit_course.notebook --measure 5 GPUS
+    # python -m tunekit_course.notebook --measure scaling GPUS [WORKLOAD,...]  1, 2, 4, 8 GPUs up to GPUS
+    # python -m tunekit_course.notebook --publish [FOLDER]  copy a folder of results (this GPU's) to notebooks/results
+    # Every --measure writes to results_dir(): this GPU's own folder, runs/results/<gpu>.
+    if argv[:1] == ["--publish"]:
+        try:
+            copied = publish(argv[1] if len(argv) > 1 else None)
+        except (FileNotFoundError, ValueError) as e:
+            print(f"--publish: {e}", file=sys.stderr)
+            return 2
+        print(f"{len(copied)} files copied into {RESULTS}")
+        return 0
+    if argv[:2] == ["--measure", "scaling"]:
+        measure_scaling(int(argv[2]), tuple(argv[3].split(",")) if len(argv) > 3 else tuple(SCALING_WORKLOADS))
+    elif argv[:2] == ["--measure", "5"]:  # python -m tunekit_course.notebook --measure 5 GPUS
         lesson5_prepare(on_gpu())
         plan = lesson5_plan(on_gpu())
-        wanted = sys.argv[4].split(",") if len(sys.argv) > 4 else [name for name, _, _ in plan]
-        measure_in_parallel([item for item in plan if item[0] in wanted], int(sys.argv[3]))
-    elif sys.argv[1:2] == ["--measure"]:
+        wanted = argv[3].split(",") if len(argv) > 3 else [name for name, _, _ in plan]
+        measure_in_parallel([item for item in plan if item[0] in wanted], int(argv[2]))
+    elif argv[:1] == ["--measure"]:
         plan = lesson4_plan(on_gpu())
-        wanted = sys.argv[4].split(",") if len(sys.argv) > 4 else list(plan)
-        measure_in_parallel([item for s in wanted for item in plan[s]], int(sys.argv[3]))
+        wanted = argv[3].split(",") if len(argv) > 3 else list(plan)
+        measure_in_parallel([item for s in wanted for item in plan[s]], int(argv[2]))
     else:
-        for arg in sys.argv[1:]:
+        for arg in argv:
             print(f"executed {execute(arg)}")
+        return 0
+    print(f"results -> {results_dir()} (publish them with: python -m tunekit_course.notebook --publish)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -3,12 +3,17 @@ a GPU, and where its results go. No GPU needed: smoke mode is forced with TUNEKI
 
 from __future__ import annotations
 
+import json
+import types
+from pathlib import Path
+
 import nbformat
 import pytest
 import torch
 
+from tunekit import cli, config
 from tunekit.config import REPO_ROOT
-from tunekit.presets import get_preset, tiny
+from tunekit.presets import get_preset, resolve, tiny
 from tunekit_course import notebook
 
 NOTEBOOKS = sorted((REPO_ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -57,7 +62,9 @@ def test_on_a_gpu_the_gpu_preset_is_used_as_is(monkeypatch):
     cfg = notebook.config_for("llama7b_qlora", batch_size=16, attention="flex_attention")
     assert cfg == get_preset("llama7b_qlora", batch_size=16, attention="flex_attention")
     assert (cfg.method, cfg.batch_size, cfg.attention) == ("qlora", 16, "flex_attention")
-    assert notebook.results_dir() == notebook.RESULTS
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    # your own folder for this GPU, never the published one the README is made from
+    assert notebook.results_dir() == REPO_ROOT / "runs" / "results" / "nvidia-h200" != notebook.RESULTS
 
 
 def test_pick_preset_and_results_dir_in_smoke_mode(smoke, capsys):
@@ -257,3 +264,207 @@ def test_smoke_mode(monkeypatch):
     assert not notebook.smoke_mode()
     monkeypatch.setenv("TUNEKIT_SMOKE", "1")
     assert notebook.smoke_mode()
+
+
+# ---- measuring here, the published run beside, replaying it -------------------------------------------------
+
+FAKE = "NVIDIA FakeGPU 24GB"
+
+
+def _snapshot(folder):
+    return {p.name: p.stat().st_mtime_ns for p in sorted(folder.iterdir())}
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch, tmp_path):
+    """A 24 GB GPU named FAKE, your folders under tmp_path; no mode variable set."""
+    for var in ("TUNEKIT_SMOKE", "TUNEKIT_REPLAY", "TUNEKIT_REMEASURE", "TUNEKIT_MEMORY_GB"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(notebook, "on_gpu", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: FAKE)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: types.SimpleNamespace(total_memory=24 * 10**9))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(notebook, "RUNS", tmp_path / "runs")
+    return tmp_path / "runs" / "results" / "nvidia-fakegpu-24gb"
+
+
+@pytest.fixture
+def fake_runs(monkeypatch):
+    """`notebook.run` and `notebook.torchrun` write a result file into the --out folder they are given; each
+    call's (processes, arguments) is recorded."""
+    calls = []
+
+    def write(nproc, args):
+        args = [str(a) for a in args]
+        calls.append((nproc, args))
+        name, out = args[args.index("--name") + 1], Path(args[args.index("--out") + 1])
+        cfg = config.config_dict(resolve(args[args.index("--preset") + 1], [a for a in args[3:] if a.startswith("--")
+                                                                              and "=" in a]))
+        result = {"name": name, "preset": cfg["preset"], "gpu": FAKE, "world_size": nproc, "tokens_per_s": 1000.0 * nproc,
+                  "peak_memory_gb": 20.0, "date": "2026-12-02T10:00:00+00:00", "config": cfg}
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{name}.json").write_text(json.dumps(result))
+        return 0
+
+    monkeypatch.setattr(notebook, "run", lambda *args, check=True, env=None: write(1, args))
+    monkeypatch.setattr(notebook, "torchrun", lambda nproc, *args, env=None, check=True: write(nproc, args))
+    return calls
+
+
+def test_measure_measures_this_gpu_even_where_a_published_result_exists(fake_gpu, fake_runs, capsys, monkeypatch):
+    assert (notebook.RESULTS / "l4_lora_eager.json").exists()
+    before = _snapshot(notebook.RESULTS)
+    assert notebook.results_dir() == fake_gpu
+    notebook.measure("l4_lora_eager", 1, "bench", "--preset", "llama7b_lora", "--bench-max-steps", "15")
+    mine = json.loads((fake_gpu / "l4_lora_eager.json").read_text())
+    assert mine["gpu"] == FAKE and len(fake_runs) == 1
+    out = capsys.readouterr().out
+    assert "does not fit" in out and "gradient checkpointing on" in out  # LoRA 7B batch 4: ~59 GB
+    assert "--grad-ckpt=true" in fake_runs[0][1] and mine["config"]["grad_ckpt"]
+    # measured again later: your own result is read back, and says so; never the published one
+    notebook.measure("l4_lora_eager", 1, "bench", "--preset", "llama7b_lora")
+    assert len(fake_runs) == 1
+    assert "your measurement of 2026-12-02 10:00 UTC on this GPU (FakeGPU 24GB); TUNEKIT_REMEASURE=1" in \
+        capsys.readouterr().out
+    monkeypatch.setenv("TUNEKIT_REMEASURE", "1")
+    notebook.measure("l4_lora_eager", 1, "bench", "--preset", "llama7b_lora")
+    notebook.measure("l3_ddp_lora", 2, "bench", "--preset", "llama7b_qlora", "--parallel", "ddp")
+    assert [n for n, _ in fake_runs] == [1, 1, 2] and (fake_gpu / "l3_ddp_lora.json").exists()
+    assert _snapshot(notebook.RESULTS) == before  # nothing written to the published folder
+    assert "l4_lora_eager" in notebook.here() and notebook.published("l4_lora_eager")["gpu"] == "NVIDIA H200"
+
+
+def test_replay_reads_the_published_result_and_writes_nothing(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("TUNEKIT_REPLAY", "1")
+    monkeypatch.delenv("TUNEKIT_SMOKE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a laptop
+    monkeypatch.setattr(notebook, "RUNS", tmp_path / "runs")
+
+    def never(*a, **k):
+        raise AssertionError("replay mode ran a command")
+
+    monkeypatch.setattr(notebook.subprocess, "Popen", never)
+    before = _snapshot(notebook.RESULTS)
+    assert notebook.results_dir() == notebook.RESULTS and notebook.gpu_results()
+    notebook.measure("l4_lora_eager", 1, "bench", "--preset", "llama7b_lora")
+    notebook.measure("l3_ddp_lora", 2, "bench", "--preset", "llama7b_lora", "--parallel", "ddp")
+    out = capsys.readouterr().out
+    assert "l4_lora_eager: replaying the published H200 result of 2026-11-30" in out and "(not measured here)" in out
+    assert "l3_ddp_lora: replaying the published 2x H200 result" in out
+    assert notebook.run("bench", "--preset", "tiny", "--name", "x", "--out", notebook.RESULTS) == 0
+    assert notebook.torchrun(2, "commbench", "--name", "x", "--out", notebook.RESULTS) == 0
+    assert notebook.save({"name": "x"}) is None
+    assert "replay mode" in capsys.readouterr().out
+    assert "replayed" in notebook.beside(["l4_lora_eager"]) and "13,140 tok/s" in notebook.beside(["l4_lora_eager"])
+    assert notebook.config_for("llama7b_lora").preset == "llama7b_lora"  # the published run's configs
+    assert _snapshot(notebook.RESULTS) == before and not (tmp_path / "runs").exists()
+
+
+def test_fit_here_picks_the_nearest_config_that_fits_and_leaves_a_fitting_one(fake_gpu, capsys, monkeypatch):
+    from tunekit.estimate import CUDA_CONTEXT_BYTES, Setup, estimate_memory_for
+    from tunekit.fitting import RESERVE_FACTOR
+
+    def peak(args):
+        parsed, rest = cli.make_parser().parse_known_args(args)
+        return estimate_memory_for(Setup.of(resolve(parsed.preset, rest)))["total"] * RESERVE_FACTOR
+
+    budget = 24e9 - CUDA_CONTEXT_BYTES
+    lora = ["bench", "--preset", "llama7b_lora", "--bench-max-steps", "15"]
+    fitted = notebook.fit_here(lora)
+    assert fitted[:len(lora)] == lora and "--grad-ckpt=true" in fitted and peak(lora) > budget >= peak(fitted)
+    out = capsys.readouterr().out
+    assert f"does not fit {FAKE} (22 GiB)" in out and "running the nearest config that fits instead: gradient " \
+        "checkpointing on, micro-batch 4" in out
+    qlora = ["bench", "--preset", "llama7b_qlora"]  # ~12 GB: fits as it is, and nothing is said
+    assert notebook.fit_here(qlora) == qlora and capsys.readouterr().out == ""
+    # the article's recipe (QLoRA, checkpointing, 8 x 7 a step): a smaller micro-batch, the same samples a step
+    before = notebook.fit_here(["bench", "--preset", "llama7b_before", "--epoch", "0.1"])
+    assert before[-2:] == ["--batch-size=4", "--grad-accum=14"] and "a smaller micro-batch" in capsys.readouterr().out
+    monkeypatch.setenv("TUNEKIT_MEMORY_GB", "8")  # run as on an 8 GB card: QLoRA at a smaller micro-batch
+    small = notebook.fit_here(qlora)
+    assert "--batch-size=" in " ".join(small) and peak(small) <= 8e9
+    assert "a card of 8 GB (TUNEKIT_MEMORY_GB)" in capsys.readouterr().out
+    for kept in (["converge", "--preset", "shakespeare"], ["bench", "--preset", "llama1b_full", "--dtype", "fp32"]):
+        assert notebook.fit_here(kept) == kept  # not a bench or train of a preset; no estimate of fp32
+
+
+def test_fit_here_is_a_no_op_in_smoke_mode(smoke):
+    args = ["bench", "--preset", "llama7b_lora"]
+    assert notebook.fit_here(args) == args
+
+
+def test_beside_and_verdict_show_yours_beside_the_published_figure(fake_gpu, fake_runs, capsys):
+    notebook.measure("l4_lora_eager", 1, "bench", "--preset", "llama7b_lora")
+    table = notebook.beside(["l4_lora_eager", "l4_lora_liger"])
+    head, eager, liger = table.splitlines()[:3]
+    assert f"here, {FAKE}" in head and "published, NVIDIA H200" in head and "here / published" in head
+    assert "1,000 tok/s*" in eager and "13,140 tok/s" in eager and f"{1000 / 13140.3:.2f}x" in eager
+    assert liger.split()[1] == "-"  # not measured here
+    assert "* l4_lora_eager: ran with grad_ckpt on" in table
+    capsys.readouterr()
+    notebook.verdict("C13")
+    yours, published = capsys.readouterr().out.splitlines()
+    assert yours.startswith(f"yours, {FAKE}: C13 verdict: unmeasured")
+    assert published.startswith("published, H200: C13 verdict:") and "unmeasured" not in published
+    assert "| C13 | unmeasured |" in notebook.verdicts_table()
+
+
+def test_publish_copies_a_folder_of_results(fake_gpu, fake_runs, monkeypatch, tmp_path, capsys):
+    published = tmp_path / "published"
+    monkeypatch.setattr(notebook, "RESULTS", published)
+    assert notebook.main(["--publish"]) == 2  # nothing measured on this GPU yet
+    assert "does not exist" in capsys.readouterr().err
+    notebook.measure("l4_lora_eager", 1, "bench", "--preset", "llama7b_qlora")
+    (fake_gpu / "l4_lora_eager.png").write_bytes(b"png")
+    assert notebook.main(["--publish"]) == 0
+    out = capsys.readouterr().out
+    assert "published l4_lora_eager.json" in out and "2 files copied" in out
+    assert sorted(p.name for p in published.iterdir()) == ["l4_lora_eager.json", "l4_lora_eager.png"]
+    assert json.loads((published / "l4_lora_eager.json").read_text())["gpu"] == FAKE
+    assert notebook.main(["--publish", str(tmp_path / "nope")]) == 2
+    assert "nope does not exist: nothing to publish" in capsys.readouterr().err
+
+
+def test_intro_says_what_it_measures_and_how_long_the_published_run_took(fake_gpu, monkeypatch, capsys):
+    minutes = notebook.lesson_seconds("l4_") / 60
+    assert 5 < minutes < 60  # lesson 4's published results: builds, warm-ups and steps, the convergence races
+    text = notebook.intro("l4_")
+    assert text.startswith(f"This lesson measures {FAKE} (22 GiB) here; on the published H200 run its "
+                           f"measurements took about {minutes:.0f} min (an estimate")
+    assert "runs/results" not in text or "nvidia-fakegpu-24gb" in text
+    assert capsys.readouterr().out.strip() == text
+    monkeypatch.setenv("TUNEKIT_MEMORY_GB", "16")
+    assert "as a card of 16 GB (TUNEKIT_MEMORY_GB)" in notebook.intro("l4_")
+    monkeypatch.setenv("TUNEKIT_SMOKE", "1")
+    monkeypatch.setattr(notebook, "on_gpu", lambda: False)
+    assert notebook.intro("l4_").startswith("smoke mode: tiny model on CPU")
+    assert "parity check" in notebook.intro()
+    monkeypatch.setenv("TUNEKIT_REPLAY", "1")
+    assert notebook.intro("l4_").startswith("replay mode (TUNEKIT_REPLAY=1)")
+
+
+def test_run_seconds_adds_the_build_warm_up_and_timed_steps():
+    r = {"build_s": 10.0, "first_step_s": 3.0, "warmup_step_times_s": [3.0, 1.0], "step_time_s": 0.5,
+         "step_times_s": [0.5, 0.4, 0.6]}
+    assert notebook.run_seconds(r) == pytest.approx(10 + 4 + 1.5)  # the first step is the first warm-up step
+    assert notebook.run_seconds({"wall_s": 61.6, "build_s": 10.0}) == 61.6
+    assert notebook.run_seconds({"runs": [r, {"wall_s": 5.0}]}) == pytest.approx(20.5)
+
+
+def test_bench_and_train_run_under_tunekit_memory_gb(monkeypatch, capsys):
+    import contextlib
+
+    from tunekit import commands, memory
+
+    monkeypatch.delenv("TUNEKIT_MEMORY_GB", raising=False)
+    assert commands.env_memory_cap()[1] is None
+    monkeypatch.setenv("TUNEKIT_MEMORY_GB", "24")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert commands.env_memory_cap()[1] is None and "ignored: no CUDA GPU" in capsys.readouterr().out
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    capped = []
+    monkeypatch.setattr(memory, "memory_cap", lambda gb, device=None: capped.append((gb, device))
+                        or contextlib.nullcontext())
+    _, gb = commands.env_memory_cap()
+    assert gb == 24.0 and capped == [(24.0, 0)]
