@@ -9,6 +9,8 @@ switches:
   long row). Its batch size counts rows: `rows` rows a step.
 - `trl_tunekit`: the same script with `tunekit.speed_up` (fused LoRA, regional compile, FlexAttention for the
   packed rows) and `tunekit.PackingCollator` (each step's samples packed into rows, one shape).
+- `trl_tunekit_eager` (asked for by name): the same without regional compile, which costs its first step a
+  compilation of every block: the trade for a short run.
 
 `trl` and `trl_tunekit` train the same samples in every step (`samples` a step, the same order, seed and
 initial weights): their first losses must agree (`loss_agreement`), or they are not computing the same thing.
@@ -39,6 +41,7 @@ from tunekit.config import REPO_ROOT
 from tunekit.results import code_file
 
 STACKS = ("trl", "trl_packing", "trl_tunekit")
+EXTRA = ("trl_tunekit_eager",)  # tunekit's two lines without compiling: no first-step compile to pay
 EXAMPLE = REPO_ROOT / "examples" / "sft_trl.py"
 
 
@@ -83,8 +86,8 @@ def run_stack(stack: str, shape: str = "llama7b", samples: int = 32, rows: int =
     from tunekit.prepare import build_tokenizer
     from tunekit.presets import llama7b_lora, tiny
 
-    if stack not in STACKS:
-        raise ValueError(f"stack {stack!r}: choose one of {', '.join(STACKS)}")
+    if stack not in STACKS + EXTRA:
+        raise ValueError(f"stack {stack!r}: choose one of {', '.join(STACKS + EXTRA)}")
     ex = example()
     cfg = llama7b_lora() if shape == "llama7b" else tiny(hidden_size=64, num_layers=2, num_heads=4,
                                                           intermediate_size=128, data="gsm8k", tokenizer_vocab=1024)
@@ -110,7 +113,8 @@ def run_stack(stack: str, shape: str = "llama7b", samples: int = 32, rows: int =
             ends.append(time.perf_counter())
 
     with tempfile.TemporaryDirectory() as out:
-        trainer = ex.trainer_for(model, tokenizer, dataset, out, fast=stack == "trl_tunekit",
+        trainer = ex.trainer_for(model, tokenizer, dataset, out, fast=stack.startswith("trl_tunekit"),
+                                 compile="none" if stack == "trl_tunekit_eager" else "regional",
                                  packing=stack == "trl_packing", batch_size=per_step, max_length=max_length,
                                  max_steps=total, logging_steps=1, disable_tqdm=True, seed=cfg.seed)
         counted = trainer.data_collator = Counted(trainer.data_collator)
@@ -164,11 +168,12 @@ def race(name: str = "trl_gsm8k_llama7b", stacks: tuple[str, ...] = STACKS, shap
                                      else f"failed: {why}") + f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
     ok = {r["stack"]: r for r in out if "tokens_per_s" in r}
     ratios = {f"{a}_vs_{b}": round(ok[a]["tokens_per_s"] / ok[b]["tokens_per_s"], 3)
-              for a, b in (("trl_tunekit", "trl"), ("trl_tunekit", "trl_packing"), ("trl_packing", "trl"))
+              for a, b in (("trl_tunekit", "trl"), ("trl_tunekit", "trl_packing"), ("trl_packing", "trl"),
+                           ("trl_tunekit_eager", "trl"))
               if a in ok and b in ok}
-    same = [ok[s]["losses"][0] for s in ("trl", "trl_tunekit") if s in ok]
+    same = [ok[s]["losses"][0] for s in ("trl", "trl_tunekit", "trl_tunekit_eager") if s in ok][:2]
     agreement = abs(same[0] - same[1]) / abs(same[0]) if len(same) == 2 else None
-    ours = ok.get("trl_tunekit", {})
+    ours = ok.get("trl_tunekit") or ok.get("trl_tunekit_eager") or {}
     return new_result(name, llama7b_lora() if shape == "llama7b" else None, ours.get("tokens_per_s"),
                       ours.get("peak_memory_gb"), code_files=(code_file(__file__), "examples/sft_trl.py"),
                       call=f"trl_race.race({name!r}, stacks={tuple(stacks)!r}, shape={shape!r}, samples={samples}, "
@@ -181,7 +186,7 @@ def race(name: str = "trl_gsm8k_llama7b", stacks: tuple[str, ...] = STACKS, shap
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tunekit_course.trl_race", description=__doc__.splitlines()[0])
-    p.add_argument("--stack", choices=STACKS, help="run one stack in this process (the race's child)")
+    p.add_argument("--stack", choices=STACKS + EXTRA, help="run one stack in this process (the race's child)")
     p.add_argument("--stacks", default=",".join(STACKS))
     p.add_argument("--shape", default="llama7b", choices=("llama7b", "tiny"))
     p.add_argument("--samples", type=int, default=32, help="samples a step (trl, trl_tunekit)")
@@ -215,7 +220,8 @@ def trl_table(rs: dict[str, dict]) -> str:
     rows = ["| run | stack | real tok/s | padding | peak GB | first step s | vs plain TRL | loss agreement | commit |",
             "|---|---|---|---|---|---|---|---|---|"]
     labels = {"trl": "plain TRL (padded batches)", "trl_packing": "TRL, its own packing (`packing=True`)",
-              "trl_tunekit": "TRL + `tunekit.speed_up` + `tunekit.PackingCollator`"}
+              "trl_tunekit": "TRL + `tunekit.speed_up` + `tunekit.PackingCollator`",
+              "trl_tunekit_eager": "the same, `speed_up(compile=\"none\")`"}
     for r in sorted((r for r in rs.values() if str(r.get("call", "")).startswith("trl_race.")), key=lambda r: r["name"]):
         plain = next((x for x in r["stacks"] if x["stack"] == "trl" and "tokens_per_s" in x), None)
         for x in r["stacks"]:
@@ -223,7 +229,7 @@ def trl_table(rs: dict[str, dict]) -> str:
                 rows.append(f"| `{r['name']}` | {labels.get(x['stack'], x['stack'])} | failed | | | | | | |")
                 continue
             ratio = f"{x['tokens_per_s'] / plain['tokens_per_s']:.2f}x" if plain else "-"
-            agree = f"{r['loss_agreement']:.1e}" if x["stack"] == "trl_tunekit" and r["loss_agreement"] is not None \
+            agree = f"{r['loss_agreement']:.1e}" if x["stack"].startswith("trl_tunekit") and r["loss_agreement"] is not None \
                 else ""
             rows.append(f"| `{r['name']}` | {labels.get(x['stack'], x['stack'])} | {x['tokens_per_s']:,.0f} | "
                         f"{x['padding']:.0%} | {x['peak_memory_gb']:.1f} | {x['first_step_s']:.0f} | {ratio} | "
