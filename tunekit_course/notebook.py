@@ -428,7 +428,8 @@ def _here_label(rs: dict[str, dict]) -> str:
     if not on_gpu():
         return "here (smoke: tiny model, CPU)"
     gpus = {r.get("gpu") for r in rs.values() if r.get("gpu")}
-    return f"here, {gpus.pop() if len(gpus) == 1 else torch.cuda.get_device_name()}"
+    cap = f", as a {memory_cap_gb():g} GB card" if memory_cap_gb() else ""
+    return f"here, {gpus.pop() if len(gpus) == 1 else torch.cuda.get_device_name()}{cap}"
 
 
 def beside(names, key: str = "tokens_per_s", mine: dict[str, dict] | None = None) -> str:
