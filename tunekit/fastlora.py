@@ -32,8 +32,8 @@ H200 (7B, batch 4, regional compile) it is same-within-noise faster, +1.2% in FP
 4.3 GB more (v, a view of the one q/k/v output, keeps all of it alive for attention's backward), so it is an
 option (`attach(group=True)`, `--fast-lora-group`), not the default: `s14_lora_group*` vs `s14_lora_fast3*`.
 
-`attach` swaps the forward of each peft LoRA `Linear` (a plain `nn.Linear` base, one adapter, no dropout) for
-this one; the parameters, the saved adapter and `merge_and_unload` are peft's, unchanged. A merged or disabled
+`attach` swaps the forward of each peft LoRA `Linear` (a plain `nn.Linear` base, frozen with its bias if it has
+one, one adapter, no dropout) for this one; the parameters, the saved adapter and `merge_and_unload` are peft's, unchanged. A merged or disabled
 adapter goes back to peft's forward. tests/unit/test_fastlora.py checks the loss and gradients against peft's path:
 equal in fp32, within FP8's rounding with FP8.
 """
@@ -197,6 +197,8 @@ class Group:
         out = GroupLoRA.apply(_autocast_input(x), p.tk_group_w, getattr(p, "tk_group_w8", None), getattr(p, "tk_group_w8_inv", None),
                               getattr(p, "tk_group_w8t", None), getattr(p, "tk_group_w8t_inv", None),
                               self.members[0].scaling[name], *loras)
+        if (bias := getattr(p, "tk_group_b", None)) is not None:
+            out = out + bias.to(out.dtype)
         outs = out.split(self.sizes, dim=-1)
         self.pending = {"x": x, **{j: o for j, o in enumerate(outs) if j != i}}
         return outs[i]
@@ -211,17 +213,19 @@ def _forward(self, x, *args, **kwargs):
         return group.output(self, x)
     name = self.active_adapters[0]
     base = self.base_layer
-    return FrozenLoRA.apply(_autocast_input(x), base.weight, getattr(base, "tk_w8", None), getattr(base, "tk_w8_inv", None),
-                            getattr(base, "tk_w8t", None), getattr(base, "tk_w8t_inv", None),
-                            self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name])
+    out = FrozenLoRA.apply(_autocast_input(x), base.weight, getattr(base, "tk_w8", None), getattr(base, "tk_w8_inv", None),
+                           getattr(base, "tk_w8t", None), getattr(base, "tk_w8t_inv", None),
+                           self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name])
+    # A frozen base bias (Qwen2's q/k/v) is added outside: it needs no gradient, and under compile the add fuses
+    return out if base.bias is None else out + base.bias.to(out.dtype)
 
 
 def why_not(module) -> str:
     """'' when `module` (a peft LoRA Linear) can take the fused forward, else why not."""
     if type(module.base_layer) is not torch.nn.Linear:
         return f"its base is {type(module.base_layer).__name__}, not a plain nn.Linear"
-    if module.base_layer.bias is not None:
-        return "its base has a bias"
+    if module.base_layer.bias is not None and module.base_layer.bias.requires_grad:
+        return "its base bias trains (peft's bias='all' or 'lora_only'; set bias='none')"
     if module.base_layer.weight.requires_grad:
         return "its base weight trains"
     if len(module.lora_A) != 1 or module.lora_variant:
@@ -245,7 +249,8 @@ def _groups(model, layers) -> list[Group]:
             if not all(id(m) in fused for m in members):
                 continue
             w = [m.base_layer.weight for m in members]
-            if len({(t.shape[1], t.dtype, t.device) for t in w}) == 1 and len(
+            if len({m.base_layer.bias is None for m in members}) == 1 and len(
+                    {(t.shape[1], t.dtype, t.device) for t in w}) == 1 and len(
                     {(tuple(m.active_adapters), m.scaling.get(m.active_adapters[0])) for m in members}) == 1:
                 out.append(Group(parent, names))
     return out
@@ -279,6 +284,9 @@ def attach(model, fp8: bool = False, group: bool = False) -> str:
     for g in groups:
         weight = torch.cat([m.base_layer.weight for m in g.members])  # [sum out, in]
         g.parent.register_buffer("tk_group_w", weight, persistent=False)
+        if g.members[0].base_layer.bias is not None:  # Qwen2's q/k/v: the members' biases, concatenated
+            g.parent.register_buffer("tk_group_b", torch.cat([m.base_layer.bias for m in g.members]),
+                                     persistent=False)
         row = 0
         for m in g.members:  # the members' weights become views of the concatenated one: no second copy
             w = m.base_layer.weight

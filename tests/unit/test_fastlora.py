@@ -192,7 +192,55 @@ def test_merged_or_disabled_adapters_take_peft_path_and_the_adapter_saves_as_pef
     assert torch.allclose(merged(input_ids=ids).logits, plain(input_ids=ids).logits, atol=1e-4)
 
 
+def qwen2_model():
+    """A tiny Qwen2: q/k/v with a bias (random, where random init leaves them zero)."""
+    import transformers
+
+    config = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+    torch.manual_seed(0)
+    base = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # random init gives zero biases: make them count
+        for n, p in base.named_parameters():
+            if n.endswith("proj.bias"):
+                p.normal_(0, 0.5)
+    return base
+
+
+def qwen2_lora_model():
+    """`qwen2_model` with LoRA on every linear layer (the biases frozen) and random LoRA B matrices."""
+    model = apply_lora(qwen2_model(), r=8, alpha=16)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    return model
+
+
+@pytest.mark.parametrize("group", [False, True])
+def test_a_frozen_base_bias_is_added_as_peft_adds_it(ids, group):
+    """Qwen2's q/k/v have a bias: the fused path (alone, grouped, and with FP8 weights) adds it as peft's does."""
+    plain = qwen2_lora_model()
+    fused, fp8 = copy.deepcopy(plain), copy.deepcopy(plain)
+    assert "fused LoRA in 14 linear layers" in fastlora.attach(fused, group=group)
+    if group:
+        attn = fused.base_model.model.model.layers[0].self_attn
+        assert attn.tk_group_b.shape == (64 + 2 * 32,)  # q's 64 outputs, k's and v's 32 (2 KV heads)
+    l0, g0 = loss_and_grads(plain, ids)
+    l1, g1 = loss_and_grads(fused, ids)
+    torch.testing.assert_close(l1, l0, rtol=1e-6, atol=1e-6)
+    for n in g0:  # 3e-5: the grouped matmul sums in another order, over the larger activations the biases give
+        assert rel(g1[n], g0[n]) < 3e-5, n
+    l2, g2 = loss_and_grads(_attach_fp8_cpu(fp8, group=group), ids)
+    assert abs(float(l2 - l0)) / float(l0) < 0.01
+
+
 def test_layers_it_cannot_fuse_are_named():
+    from peft import LoraConfig, get_peft_model
+
+    trained_bias = get_peft_model(qwen2_model(), LoraConfig(r=4, target_modules=["q_proj"], bias="all"))
+    with pytest.raises(ValueError, match=r"q_proj: its base bias trains .*bias='none'"):
+        fastlora.attach(trained_bias)
     model = apply_lora(build_model(ARCH, seed=0), r=8, alpha=16, dropout=0.1)
     with pytest.raises(ValueError, match=r"layer .*q_proj: it has LoRA dropout"):
         fastlora.attach(model)

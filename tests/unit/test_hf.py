@@ -80,10 +80,7 @@ def test_speed_up_gives_the_loss_and_gradients_of_the_model_itself(family):
     assert_same(loss_and_grads(fast, ids, labels), loss_and_grads(plain, ids, labels))
     done = fast.tunekit_speed_ups
     assert done["loss"].startswith("chunked")
-    if family == "qwen2":  # q/k/v have a bias: the fused LoRA stays off there, and says why
-        assert done["fast_lora"].startswith("not applied") and "bias" in done["fast_lora"]
-    else:
-        assert done["fast_lora"].startswith("fused LoRA in 14 linear layers")
+    assert done["fast_lora"].startswith("fused LoRA in 14 linear layers")  # Qwen2's q/k/v biases included
 
 
 def test_the_trainer_s_token_count_divides_the_summed_loss():
@@ -163,8 +160,12 @@ def test_speed_up_is_applied_in_place_and_a_second_call_keeps_one_loss_swap():
 
 
 def test_fast_lora_asked_for_on_a_model_it_does_not_suit_is_refused_with_the_layer():
-    with pytest.raises(ValueError, match=r"fast_lora=True\): layer .*q_proj: its base has a bias"):
-        tunekit.speed_up(family_model("qwen2"), fast_lora=True, verbose=False)
+    from peft import LoraConfig, get_peft_model
+
+    trained_bias = get_peft_model(family_model("qwen2", lora=False), LoraConfig(r=4, target_modules=["q_proj"],
+                                                                                 bias="all"))
+    with pytest.raises(ValueError, match=r"fast_lora=True\): layer .*q_proj: its base bias trains"):
+        tunekit.speed_up(trained_bias, fast_lora=True, verbose=False)
     with pytest.raises(ValueError, match="LoRA dropout"):
         tunekit.speed_up(family_model("llama", dropout=0.1), fast_lora=True, verbose=False)
     with pytest.raises(ValueError, match="no peft LoRA linear layers"):
