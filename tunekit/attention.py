@@ -64,14 +64,40 @@ def _kind(device: str) -> str:
     return str(device).split(":")[0]
 
 
-def choose_attention(requested: str, device: str, packed: bool = False) -> tuple[str, str]:
-    """Return (implementation name for transformers, one-line reason).
+def supported(model_class) -> set[str]:
+    """The attention implementations a transformers model class takes (its `_supports_*` flags; eager always).
+    None (a class not known here, remote code): all of them, and transformers says if one is not."""
+    if model_class is None:
+        return {"eager", "sdpa", "flex_attention", "flash_attention_2"}
+    flags = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn", "flash_attention_2": "_supports_flash_attn"}
+    return {"eager", *(name for name, flag in flags.items() if getattr(model_class, flag, False))}
+
+
+def choose_attention(requested: str, device: str, packed: bool = False, model_class=None) -> tuple[str, str]:
+    """Return (implementation name for transformers, one-line reason), for `model_class` (a transformers causal LM
+    class; None: any) — `auto` takes what that family supports, fastest first (Gemma 2 has no SDPA path: FlexAttention
+    on a GPU, eager on a CPU); asked outright, an implementation the family lacks is an error that says what to use.
 
     `packed` (rows holding several samples, `packing=pack`): without flash-attn, `auto` takes FlexAttention on
     CUDA, which skips the blocks the document mask rules out; in the 7B LoRA step on the H200 it ran at
     1.11x SDPA with the dense mask (notebooks/results/l2_packed_flex.json vs l2_packed_sdpa.json). The
     first step compiles its kernel (torch.compile), once per row length.
     """
+    ok = supported(model_class)
+    if requested != "auto" and requested not in ok:
+        raise RuntimeError(f"attention={requested}: {model_class.__name__} has no {requested} path in transformers; "
+                           f"use --attention auto (it picks among {', '.join(sorted(ok))})")
+    name, why = _choose(requested, device, packed)
+    if name in ok:
+        return name, why
+    cuda = _kind(device) == "cuda"
+    order = [*(["flash_attention_2"] if cuda and flash_attn_available() else []), *(["flex_attention"] if cuda else []),
+             "sdpa", "eager"]  # flex has no backward on a CPU
+    alt = next(a for a in order if a in ok)
+    return alt, f"auto: {alt}, as {model_class.__name__} has no {name} path"
+
+
+def _choose(requested: str, device: str, packed: bool) -> tuple[str, str]:
     if requested == "auto":
         if _kind(device) == "cuda" and flash_attn_available():
             return "flash_attention_2", "auto: flash-attn is installed"

@@ -93,8 +93,10 @@ def autocast_dtype(device: str, dtype: torch.dtype) -> torch.dtype | None:
 def build_base_model(cfg: TuneConfig, vocab_size: int, device: str, dtype: torch.dtype):
     """The base weights as `cfg` names them: random init of its shape, a hub name or a local folder; 4-bit NF4
     for QLoRA. Returns (model, the attention kernel's reason)."""
-    attn, why = choose_attention(cfg.attention, device, packed=cfg.packing == "pack")
     arch = run_arch(cfg, vocab_size)
+    attn, why = choose_attention(cfg.attention, device, packed=cfg.packing == "pack",
+                                 model_class=mdl.model_class_of(None if cfg.model else arch, cfg.model,
+                                                                cfg.trust_remote_code))
     if cfg.vocab_size and vocab_size > cfg.vocab_size:
         raise ValueError(f"the tokenizer has {vocab_size} tokens but vocab_size is {cfg.vocab_size}; "
                          f"raise --vocab-size or lower --tokenizer-vocab.")
@@ -140,7 +142,8 @@ def apply_techniques(model, cfg: TuneConfig, device: str, dtype: torch.dtype):
     memory.check_checkpointing(model, cfg.grad_ckpt)
     if cfg.loss != "plain" and (blocker := loss_fn.fused_loss_blocker(model)):
         raise ValueError(f"config field 'loss' = {cfg.loss!r}: {blocker}; use --loss plain for this model.")
-    if cfg.loss == "liger" and (why := speedups.liger_available()):
+    if cfg.loss == "liger" and (why := speedups.liger_available() or (
+            loss_fn.softcap_of(model) and "the model soft-caps its logits, which tunekit's Liger path does not")):
         raise RuntimeError(f"config field 'loss' = 'liger': {why}; use --loss chunked (tunekit's own fused loss).")
     step_module = distributed.parallelize(StepModule(model, cfg.loss, autocast_dtype(device, dtype)), model,
                                           parallel, device, dtype, cfg.fsdp_reshard, cfg.compile)

@@ -61,7 +61,7 @@ def speed_up(model, *, fast_lora: bool | str = "auto", fp8: bool = False, loss: 
     _check_choices(fast_lora, loss, compile, kernels)
     base, done = base_model(model), {}
     if attention is not None:
-        name, why = choose_attention(attention, _device_kind(model), packed=packed)
+        name, why = choose_attention(attention, _device_kind(model), packed=packed, model_class=type(base))
         base.set_attn_implementation(name)
         done["attention"] = why
     if kernels == "liger":
@@ -134,7 +134,8 @@ def _loss(model, wanted: str) -> str:
         raise ValueError(f"speed_up(loss={wanted!r}): {blocker}; use loss='plain' for this model")
     if blocker:
         return f"plain: the chunked loss does not apply ({blocker})"
-    if wanted == "liger" and (why := speedups.liger_available()):
+    if wanted == "liger" and (why := speedups.liger_available() or (
+            loss_fn.softcap_of(model) and "the model soft-caps its logits, which tunekit's Liger path does not")):
         raise RuntimeError(f"speed_up(loss='liger'): {why}; use loss='chunked' (tunekit's own fused loss)")
     kind = "liger" if wanted == "liger" else "chunked"
     base = base_model(model)
@@ -170,7 +171,7 @@ def _forward(self, *args, labels=None, num_items_in_batch=None, **kwargs):
     if self._tk_loss == "liger":
         total = speedups.liger_loss(hidden, head.to(hidden.dtype), targets, 1.0)
     else:
-        total = loss_fn.chunked_lm_loss(hidden, head, targets)
+        total = loss_fn.chunked_lm_loss(hidden, head, targets, softcap=loss_fn.softcap_of(self))
     count = num_items_in_batch if num_items_in_batch is not None else (targets != IGNORE).sum().clamp(min=1)
     if torch.is_tensor(count):
         count = count.to(total.device)

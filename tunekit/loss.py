@@ -36,8 +36,10 @@ def chunk_tokens(vocab: int, elements: int = DEFAULT_CHUNK_ELEMENTS) -> int:
 
 class _ChunkedLMLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, scale, chunk):
+    def forward(ctx, hidden, weight, labels, scale, chunk, softcap):
         # hidden (N, H) in the compute dtype, weight (V, H), labels (N,); returns sum of token losses * scale.
+        # softcap > 0: the logits are softcap * tanh(z / softcap) of the head's z (Gemma 2's final soft-capping),
+        # and the gradient of z is that of the logits times 1 - tanh^2.
         n = hidden.shape[0]
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
@@ -46,6 +48,9 @@ class _ChunkedLMLoss(torch.autograd.Function):
         for start in range(0, n, chunk):
             h, y = hidden[start:start + chunk], labels[start:start + chunk]
             logits = (h @ weight.t()).float()  # the same bf16 matmul as the LM head, upcast for the softmax
+            if softcap:
+                capped = torch.tanh(logits / softcap)
+                logits = capped * softcap
             lse = torch.logsumexp(logits, dim=-1)
             valid = y != IGNORE
             safe = torch.where(valid, y, 0)
@@ -54,6 +59,8 @@ class _ChunkedLMLoss(torch.autograd.Function):
             probs = logits.sub_(lse[:, None]).exp_()  # in place: softmax, the logits are not needed again
             probs[torch.arange(len(y), device=y.device), safe] -= 1.0
             probs.mul_((valid.to(probs.dtype) * scale)[:, None])  # d(loss)/d(logits)
+            if softcap:  # through the soft-cap: d(logits)/dz = 1 - tanh^2
+                probs.mul_(capped.mul_(capped).neg_().add_(1.0))
             g = probs.to(weight.dtype)
             grad_hidden[start:start + chunk] = g @ weight
             if grad_weight is not None:  # summed over chunks in fp32
@@ -67,36 +74,43 @@ class _ChunkedLMLoss(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         gh = grad_hidden * grad_out.to(grad_hidden.dtype)
         gw = None if grad_weight is None else (grad_weight * grad_out).to(grad_hidden.dtype)
-        return gh, gw, None, None, None
+        return gh, gw, None, None, None, None
 
 
 def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, scale: float = 1.0,
-                    chunk: int | None = None) -> torch.Tensor:
+                    chunk: int | None = None, softcap: float = 0.0) -> torch.Tensor:
     """sum over tokens of cross_entropy(hidden @ weight.T, labels) * scale, without holding the logits.
 
     `hidden` is (..., H), `labels` the matching (...) targets, already shifted, `IGNORE` where no loss;
-    `weight` is the LM head's (V, H). `scale` is usually 1 / (target tokens in the step)."""
+    `weight` is the LM head's (V, H). `scale` is usually 1 / (target tokens in the step). `softcap` > 0: the
+    logits soft-capped as Gemma 2 does (`softcap_of`)."""
     h = hidden.reshape(-1, hidden.shape[-1])
     if weight.dtype != h.dtype:  # under autocast the head would run in the autocast dtype
         weight = weight.to(h.dtype)
     y = labels.reshape(-1).to(h.device)
     if y.shape[0] != h.shape[0]:
         raise ValueError(f"chunked_lm_loss: {h.shape[0]} hidden states but {y.shape[0]} labels")
-    return _ChunkedLMLoss.apply(h, weight, y, float(scale), chunk or chunk_tokens(weight.shape[0]))
+    return _ChunkedLMLoss.apply(h, weight, y, float(scale), chunk or chunk_tokens(weight.shape[0]),
+                                float(softcap or 0))
+
+
+def softcap_of(model) -> float:
+    """The model's final-logit soft-capping (Gemma 2: `final_logit_softcapping`), 0.0 where it has none."""
+    return float(getattr(base_model(model).config, "final_logit_softcapping", None) or 0.0)
 
 
 def fused_loss_blocker(model) -> str:
     """Why `chunked_lm_loss` cannot stand in for this model's head, or '' when it can.
 
-    It needs a decoder (`model.model`) whose output goes through a bias-free linear head and nothing else
-    (no logit soft-capping or scaling, as Gemma 2 or Cohere have)."""
+    It needs a decoder (`model.model`) whose output goes through a bias-free linear head, then at most Gemma 2's
+    soft-capping (`softcap_of`, which the chunked loss applies), not a scaling (as Cohere's or Granite's)."""
     base = base_model(model)
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     if not hasattr(base, "model") or head is None:
         return f"{type(base).__name__} has no separate decoder and LM head"
     if getattr(head, "bias", None) is not None or not hasattr(head, "weight") or head.weight.dim() != 2:
         return "the LM head is not a bias-free linear layer"
-    for attr in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
+    for attr in ("logit_scale", "logits_scaling"):
         if getattr(base.config, attr, None) not in (None, 1, 1.0):
             return f"the model rescales its logits ({attr})"
     return ""

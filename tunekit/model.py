@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from tunekit import fastlora
+from tunekit.attention import choose_attention
 from tunekit.hub import WeightsError, check_weights, load_pretrained
 from tunekit.io import atomic_output, cache_dir
 
@@ -68,13 +69,36 @@ def llama_config(hidden_size: int, num_layers: int, num_heads: int, intermediate
                        tie_word_embeddings=False)
 
 
+def causal_lm_class(config):
+    """The transformers causal-LM class of a model config (LlamaConfig -> LlamaForCausalLM); None when transformers
+    does not know it (a model with code of its own)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        return None
+
+
+def model_class_of(arch=None, name_or_path: str = "", trust_remote_code: bool = False):
+    """The causal-LM class a model would be built as: from `arch`, or from the config of `name_or_path`."""
+    if not name_or_path:
+        return causal_lm_class(arch) if arch is not None else None
+    from transformers import AutoConfig
+
+    return causal_lm_class(load_pretrained(AutoConfig, name_or_path, "model", trust_remote_code))
+
+
 def build_model(arch=None, name_or_path: str = "", dtype: torch.dtype = torch.float32, device: str = "cpu",
-                attention: str = "sdpa", seed: int = 0, trust_remote_code: bool = False):
-    """A causal LM: `from_pretrained(name_or_path)` when given, else random init from the config `arch`.
+                attention: str = "auto", seed: int = 0, trust_remote_code: bool = False):
+    """A causal LM: `from_pretrained(name_or_path)` when given, else random init from the config `arch`; `attention`
+    as `attention.choose_attention` resolves it for the model's family (`auto`: what the family supports).
 
     Returned in train mode: `from_pretrained` gives eval mode, in which transformers skips checkpointing."""
     from transformers import AutoModelForCausalLM
 
+    attention = choose_attention(attention, device, model_class=model_class_of(arch, name_or_path,
+                                                                              trust_remote_code))[0]
     if name_or_path:
         check_weights(name_or_path)
         model = load_pretrained(AutoModelForCausalLM, name_or_path, "model", trust_remote_code, dtype=dtype,
@@ -111,7 +135,7 @@ def require_cuda_for_4bit(device: str) -> None:
                            "Use --method lora (or full) on CPU.")
 
 
-def load_quantized(name_or_path: str, device: str = "cuda", attention: str = "sdpa",
+def load_quantized(name_or_path: str, device: str = "cuda", attention: str = "auto",
                    compute_dtype: torch.dtype = torch.bfloat16, trust_remote_code: bool = False):
     """NF4 weights with double quantization and bf16 compute, as the QLoRA paper does.
 
@@ -128,6 +152,8 @@ def load_quantized(name_or_path: str, device: str = "cuda", attention: str = "sd
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                bnb_4bit_compute_dtype=compute_dtype, bnb_4bit_quant_storage=compute_dtype)
     check_weights(name_or_path)
+    attention = choose_attention(attention, device, model_class=model_class_of(None, name_or_path,
+                                                                              trust_remote_code))[0]
     model = load_pretrained(AutoModelForCausalLM, name_or_path, "model", trust_remote_code,
                             quantization_config=quant, dtype=compute_dtype, attn_implementation=attention,
                             device_map={"": device})

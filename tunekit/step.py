@@ -55,7 +55,8 @@ class StepModule(torch.nn.Module):
             head = head.to(hidden.device, dtype, non_blocking=True)  # (a head kept in CPU memory comes over)
             if self.loss == "liger":
                 return speedups.liger_loss(hidden.to(dtype), head, labels, scale)
-            return loss_fn.chunked_lm_loss(hidden.to(dtype), head, labels, scale)
+            return loss_fn.chunked_lm_loss(hidden.to(dtype), head, labels, scale,
+                                           softcap=loss_fn.softcap_of(self.model))
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.reshape(-1),
                                ignore_index=IGNORE, reduction="sum") * scale
 

@@ -15,14 +15,17 @@ from tunekit.data.tokens import tokenize_dataset
 from tunekit.step import count_targets, micro_step
 
 
-def plain(hidden, weight, labels, scale):
+def plain(hidden, weight, labels, scale, softcap=0.0):
     logits = hidden @ weight.t()
+    if softcap:  # as Gemma 2's head: divide, tanh, multiply
+        logits = torch.tanh(logits / softcap) * softcap
     return F.cross_entropy(logits.float(), labels, ignore_index=loss.IGNORE, reduction="sum") * scale
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64, 1000])  # one token, uneven chunks, one chunk, bigger than N
 @pytest.mark.parametrize("head_trains", [False, True])
-def test_chunked_loss_matches_cross_entropy(chunk, head_trains):
+@pytest.mark.parametrize("softcap", [0.0, 3.0])  # none, and a cap the logits (std ~4) often reach
+def test_chunked_loss_matches_cross_entropy(chunk, head_trains, softcap):
     g = torch.Generator().manual_seed(0)
     n, h, v = 50, 16, 37
     hidden = torch.randn(n, h, generator=g, requires_grad=True)
@@ -30,9 +33,9 @@ def test_chunked_loss_matches_cross_entropy(chunk, head_trains):
     labels = torch.randint(0, v, (n,), generator=g)
     labels[::5] = loss.IGNORE  # padding and prompt tokens
     results = []
-    for fn in (plain, lambda *a: loss.chunked_lm_loss(*a, chunk=chunk)):
+    for fn in (plain, lambda *a, softcap: loss.chunked_lm_loss(*a, chunk=chunk, softcap=softcap)):
         hidden.grad = weight.grad = None
-        value = fn(hidden, weight, labels, 1 / 40)
+        value = fn(hidden, weight, labels, 1 / 40, softcap=softcap)
         (value * 3).backward()  # an upstream gradient that is not 1
         results.append((value.detach(), hidden.grad.clone(), None if weight.grad is None else weight.grad.clone()))
     (l0, gh0, gw0), (l1, gh1, gw1) = results
@@ -120,3 +123,8 @@ def test_fused_loss_blocker(tokenizer):
     model.lm_head = torch.nn.Linear(SMALL_ARCH["hidden_size"], len(tokenizer), bias=True)
     assert "bias" in loss.fused_loss_blocker(model)
     assert "no separate decoder" in loss.fused_loss_blocker(torch.nn.Linear(2, 2))
+    model = mdl.build_model(mdl.llama_config(vocab_size=len(tokenizer), **SMALL_ARCH), seed=0)
+    model.config.logit_scale = 0.5  # Cohere-like: a scaling the chunked loss does not apply
+    assert "rescales its logits (logit_scale)" in loss.fused_loss_blocker(model)
+    model.config.logit_scale, model.config.final_logit_softcapping = None, 30.0  # Gemma 2's cap: it applies it
+    assert loss.fused_loss_blocker(model) == "" and loss.softcap_of(model) == 30.0
