@@ -62,6 +62,7 @@ under the budget (see `reserve_factor_of` for how the factor is taken from the r
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from tunekit.config import OPTIMIZERS
 from tunekit.distributed import choose_parallel
@@ -289,10 +290,13 @@ class Setup:
     @classmethod
     def of(cls, cfg, world_size: int = 1, **changes) -> Setup:
         """The setup of a `TuneConfig` or of a config dict (a result file's): its fields of these names, on
-        `world_size` GPUs, with `changes`."""
+        `world_size` GPUs, with `changes`. With `model` set, the shape is that model's (`model_shape`), not the
+        config's shape fields."""
         source = cfg if isinstance(cfg, dict) else dataclasses.asdict(cfg)
         names = {f.name for f in dataclasses.fields(cls)} - {"world_size"}
-        return cls(**{**{n: source[n] for n in names if n in source}, "world_size": world_size, **changes})
+        shape = model_shape(source["model"], bool(source.get("trust_remote_code"))) if source.get("model") else {}
+        return cls(**{**{n: source[n] for n in names if n in source}, **shape, "world_size": world_size,
+                      **changes})
 
     def but(self, **changes) -> Setup:
         """This setup with `changes` (`setup.but(batch_size=1)`)."""
@@ -330,3 +334,27 @@ def format_estimate(est: dict) -> str:
     body = ", ".join(f"{k} {est[k] / 1e9:.2f}" for k in keys if est[k])
     return f"{body} -> peak {est['total'] / 1e9:.2f} GB at {est['peak_at']}"
 
+
+
+@functools.cache
+def model_shape(name_or_path: str, trust_remote_code: bool = False) -> dict:
+    """The `Setup` shape fields of a model (a local folder's config.json, or the hub's config): width, layers,
+    heads, KV heads, MLP width and vocabulary. A config that cannot be read is an error: the estimate is never
+    of another shape than the model's."""
+    from transformers import AutoConfig
+
+    from tunekit.hub import load_pretrained
+
+    try:
+        config = load_pretrained(AutoConfig, name_or_path, "model", trust_remote_code).get_text_config()
+    except (OSError, ValueError) as e:
+        raise ValueError(f"estimating {name_or_path!r}: its config is unreadable ({e}); the estimate needs the "
+                         "model's shape (a local folder with config.json, or a reachable hub)") from None
+    need = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+    if missing := [k for k in need if not getattr(config, k, None)]:
+        raise ValueError(f"estimating {name_or_path!r}: its config has no {', '.join(missing)} (a "
+                         f"{config.model_type} model); the estimator models decoder-only transformers")
+    return {"hidden_size": config.hidden_size, "num_layers": config.num_hidden_layers,
+            "num_heads": config.num_attention_heads, "intermediate_size": config.intermediate_size,
+            "num_kv_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            "vocab_size": config.vocab_size}

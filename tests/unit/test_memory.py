@@ -378,3 +378,25 @@ def test_the_estimate_per_gpu_under_ddp_and_fsdp2():
     lora = Setup.of(llama7b_lora(vocab_size=32000))
     ddp = estimate.estimate_memory_for(lora.but(world_size=2))  # auto: DDP for LoRA
     assert ddp["total"] - estimate.estimate_memory_for(lora)["total"] == ddp["gradients"]
+
+
+def test_the_estimate_is_of_the_model_given_not_the_preset_s_shape(tmp_path, monkeypatch):
+    """`--model` sets the estimate's shape (a local folder's config.json); a model whose config cannot be read is
+    refused, never answered for the preset's shape."""
+    import transformers
+
+    from tunekit.estimate import Setup, estimate_memory_for, model_shape
+    from tunekit.presets import get_preset
+
+    qwen = transformers.Qwen2Config(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                                    num_key_value_heads=4, intermediate_size=18944, vocab_size=152064)
+    qwen.save_pretrained(tmp_path / "qwen25-7b")  # the Qwen2.5-7B shape, config only
+    setup = Setup.of(get_preset("llama7b_lora", model=str(tmp_path / "qwen25-7b")))
+    assert (setup.hidden_size, setup.num_layers, setup.num_heads, setup.num_kv_heads, setup.intermediate_size,
+            setup.vocab_size) == (3584, 28, 28, 4, 18944, 152064)
+    llama = estimate_memory_for(Setup.of(get_preset("llama7b_lora")))["total"]
+    assert estimate_memory_for(setup)["total"] != llama
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model_shape.cache_clear()
+    with pytest.raises(ValueError, match="'no-such/model': its config is unreadable"):
+        Setup.of(get_preset("llama7b_lora", model="no-such/model"))
