@@ -8,6 +8,8 @@ data; the lines the lessons add to them are the same.
 from __future__ import annotations
 
 import json
+import logging
+import warnings
 
 import torch
 
@@ -38,13 +40,28 @@ def tokenize(record: dict, tokenizer, max_length: int = 512) -> dict:
     return {"input_ids": ids, "labels": ([IGNORE] * len(prompt) + answer)[:max_length]}
 
 
+def quiet() -> None:
+    """Leave out what the libraries warn about a tiny demonstration (for the rest of the kernel's life): the
+    deprecations transformers raises from its own code and from arguments it still takes, PyTorch's pinned
+    memory without a GPU, transformers' and TRL's notices about a tokenizer trained apart from the model. The
+    cells' output is then the lesson's, and JupyterLab shows nothing in red that the learner did not cause."""
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+    warnings.filterwarnings("ignore", message=".*pin_memory.*no accelerator is found", category=UserWarning)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    logging.getLogger("trl").setLevel(logging.ERROR)
+
+
 def parts(n: int = 256, lora: bool = True):
     """(model, tokenizer, tokenized `datasets.Dataset`): a random-init 2-layer Llama (bf16 on a GPU, fp32 on a
-    CPU) with a rank-8 LoRA adapter on every linear layer, as `get_peft_model` attaches it."""
+    CPU) with a rank-8 LoRA adapter on every linear layer, as `get_peft_model` attaches it. `quiet()` first."""
     from datasets import Dataset
     from peft import LoraConfig, get_peft_model
 
     from tunekit import model as mdl
+
+    quiet()
 
     rows = records(n)
     tokenizer = tokenizer_for(rows)
