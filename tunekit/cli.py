@@ -218,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     # to their default they kill it at once, during torch's import as anywhere). `train` catches all three
     # once it has started, to finish the step; the handlers are put back on the way out.
     old = {}
+    commands.RECEIVED.clear()  # this call's signals only (a script may call main more than once)
     if threading.current_thread() is threading.main_thread():
         old = {s: signal.signal(s, _raise_stopped) for s in (signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s}
     try:

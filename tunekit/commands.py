@@ -26,7 +26,14 @@ class Stopped(KeyboardInterrupt):
 
     def __init__(self, signum: int):
         self.signum = signum
+        RECEIVED.append(signum)
         super().__init__(signal.Signals(signum).name)
+
+
+# The signals a `Stopped` was raised for in this process. A library's import can swallow the exception (seen in CI:
+# the signal landed inside transformers' lazy import, which went on with a half-imported module and failed later
+# with a ModuleNotFoundError), so `train` looks here too: a signal received is a stop, whatever broke after it.
+RECEIVED: list[int] = []
 
 
 def signal_name(e: KeyboardInterrupt) -> tuple[str, int]:
@@ -249,6 +256,8 @@ def train(args, rest: list[str], argv: list[str]) -> int:
         from tunekit.stopping import Diverged, Interrupted
     except KeyboardInterrupt as e:  # Ctrl-C (or SIGTERM, SIGHUP) while torch imports
         return early(e)
+    if RECEIVED:  # a signal whose exception an import swallowed
+        return early(Stopped(RECEIVED[-1]))
     out_dir = None
     try:
         cfg = resolve(args.preset, rest)
@@ -266,6 +275,8 @@ def train(args, rest: list[str], argv: list[str]) -> int:
     except KeyboardInterrupt as e:  # before train caught the signals
         return early(e)
     except Exception as e:  # one line for every failure, a full disk included
+        if RECEIVED:  # what broke after a signal whose exception a library swallowed: the signal's stop
+            return early(Stopped(RECEIVED[-1]))
         full = tr.stopping.no_space_message(e, out_dir) if out_dir else None
         if full is None and not isinstance(e, (ConfigError, ValueError, FileNotFoundError, RuntimeError, OSError)):
             raise
