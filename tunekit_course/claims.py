@@ -232,7 +232,7 @@ def c10(rs: dict[str, dict]) -> Verdict:
                    f"tok/s per GPU at {ddp['peak_memory_gb']:.1f} GB, FSDP2 {f:.1%} at {fsdp['peak_memory_gb']:.1f} GB; "
                    f"full fine-tuning: FSDP2 {_tps(full['tokens_per_s'])} tok/s per GPU at {full['peak_memory_gb']:.1f} GB "
                    f"(batch {full['config']['batch_size']} per GPU), where one GPU alone needs "
-                   f"{full_one['peak_memory_gb']:.1f} GB at batch {full_one['config']['batch_size']}. 8 GPUs: issue 15",
+                   f"{full_one['peak_memory_gb']:.1f} GB at batch {full_one['config']['batch_size']}. 8 GPUs: unmeasured",
                    (one["name"], ddp["name"], fsdp["name"], full["name"], full_one["name"]))
 
 
@@ -580,7 +580,7 @@ def c16(rs: dict[str, dict]) -> Verdict:
     # the after recipe's next run, its compiled kernels cached; and with FP8 matmuls (where measured)
     extras = [(what, rs[name]) for what, name in (("a second run, compile cache warm:", "l5_after_warm"),
                                                    ("with FP8 matmuls:", "l5_after_fp8"),
-                                                   ("with the fused LoRA and FP8 weights quantized once (issue 14):",
+                                                   ("with the fused LoRA and FP8 weights quantized once:",
                                                     "l5_after_fast_fp8")) if name in rs]
     verdict = (f"holds: {ratio:.1f}x" if ratio >= ARTICLE_SPEEDUP else
                f"partly: {ratio:.1f}x (the article's floor, 2x, holds)" if ratio >= 2 else f"not here: {ratio:.1f}x")
@@ -643,7 +643,7 @@ CLAIMS = {  # id: (the article says, how it is judged, or the lesson that will m
     "C12": ("gradient accumulation emulates a large batch", c12),
     "parallel targets": ("*(tunekit's targets)* 2 GPUs: FSDP2 full 7B >= 11,500 tok/s per GPU, DDP LoRA >= 98% "
                          "of one GPU, FSDP2 QLoRA >= one GPU", parallel_targets),
-    "scaling target": (("*(tunekit's target, issue 15)* FSDP2 full fine-tune 7B keeps >= 90% of one GPU's speed per "
+    "scaling target": (("*(tunekit's target)* FSDP2 full fine-tune 7B keeps >= 90% of one GPU's speed per "
                         "GPU on 8 GPUs, at >= 11,500 tok/s per GPU"), scaling),
     "C13": ("TF32: +30% speed, almost no precision loss", c13),
     "C14": ("`torch.compile`: minutes to compile, then +20-50%", c14),
@@ -652,7 +652,7 @@ CLAIMS = {  # id: (the article says, how it is judged, or the lesson that will m
     "fused kernels": ("*(the article is silent)* Liger's fused kernels", fused_kernels),
     "fp8": ("*(the article is silent)* FP8 training on Hopper", fp8),
     "C16": ("the checklist takes a 7B run from 14 days to 3", c16),
-    "speed push": (("*(tunekit's targets, issue 14)* one H200: LoRA bf16 >= 21,000 tok/s, FP8 >= 25,500, QLoRA >= "
+    "speed push": (("*(tunekit's targets)* one H200: LoRA bf16 >= 21,000 tok/s, FP8 >= 25,500, QLoRA >= "
                     "20,000 at <= 35 GB and >= 13,500 at <= 8 GB with checkpointing, batch 1 >= 7,500 at <= 4.5 GB"),
                    speed_push),
 }
@@ -710,13 +710,23 @@ def where_judged(notebooks: Path = REPO_ROOT / "notebooks") -> dict[str, tuple[s
     return found
 
 
-def claims_table(rs: dict[str, dict], where: dict[str, tuple[str, str]] | None = None) -> str:
+def project_target(claim: str) -> bool:
+    """True for tunekit's own goals (`CLAIMS` rows marked *(tunekit's target)*), which the README tracks and the
+    lessons, about the article and the techniques, leave out."""
+    return CLAIMS[claim][0].startswith("*(tunekit's target")
+
+
+def claims_table(rs: dict[str, dict], where: dict[str, tuple[str, str]] | None = None,
+                 targets: bool = True) -> str:
     """Each claim: what the article says, the verdict, tunekit's evidence and its result files, the machine
-    they were measured on, and the notebook section that judges it."""
+    they were measured on, and the notebook section that judges it; without tunekit's own targets when
+    `targets` is False (a lesson's table)."""
     where = where_judged() if where is None else where
     rows = ["| # | the article says | verdict | measured (result files in `notebooks/results/`) | machine | lesson |",
             "|---|---|---|---|---|---|"]
     for claim, (text, _) in CLAIMS.items():
+        if not targets and project_target(claim):
+            continue
         v = judge(claim, rs)
         files = f" ({', '.join(f'`{f}`' for f in v.files)})" if v.files else ""
         nb, section = where.get(claim, ("", ""))

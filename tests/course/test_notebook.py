@@ -295,10 +295,10 @@ def fake_runs(monkeypatch):
     call's (processes, arguments) is recorded."""
     calls = []
 
-    def write(nproc, args):
+    def write(nproc, args, cwd=None):
         args = [str(a) for a in args]
         calls.append((nproc, args))
-        name, out = args[args.index("--name") + 1], Path(args[args.index("--out") + 1])
+        name, out = args[args.index("--name") + 1], Path(cwd or ".") / args[args.index("--out") + 1]
         cfg = config.config_dict(resolve(args[args.index("--preset") + 1], [a for a in args[3:] if a.startswith("--")
                                                                               and "=" in a]))
         result = {"name": name, "preset": cfg["preset"], "gpu": FAKE, "world_size": nproc, "tokens_per_s": 1000.0 * nproc,
@@ -307,8 +307,9 @@ def fake_runs(monkeypatch):
         (out / f"{name}.json").write_text(json.dumps(result))
         return 0
 
-    monkeypatch.setattr(notebook, "run", lambda *args, check=True, env=None: write(1, args))
-    monkeypatch.setattr(notebook, "torchrun", lambda nproc, *args, env=None, check=True: write(nproc, args))
+    monkeypatch.setattr(notebook, "run", lambda *args, check=True, env=None, cwd=None: write(1, args, cwd))
+    monkeypatch.setattr(notebook, "torchrun", lambda nproc, *args, env=None, check=True, cwd=None:
+                        write(nproc, args, cwd))
     return calls
 
 
