@@ -75,8 +75,7 @@ def speed_up(model, *, fast_lora: bool | str = "auto", fp8: bool = False, loss: 
     if compile == "regional":
         # A trainer's batches change shape (rows of packed samples, widths of padded ones): each block compiled
         # once for every shape, not again at the second one (a 7B block's compile is tens of seconds)
-        for layer in decoder_layers(model):
-            layer.forward = torch.compile(layer.forward, dynamic=True)
+        speedups.compile_step(model, model, "regional", dynamic=True)
         done["compile"] = f"regional: {len(decoder_layers(model))} decoder blocks, dynamic shapes"
     model.tunekit_speed_ups = done
     if verbose:
@@ -105,22 +104,19 @@ def _device_kind(model) -> str:
 
 def _fast_lora(model, wanted, fp8: bool) -> str:
     """fastlora.attach where it applies: what it did, or why it was not applied (`wanted="auto"`); an error
-    when asked for outright and it cannot (and always for `fp8`, which needs it)."""
-    from peft.tuners.lora.layer import Linear as LoraLinear
-
+    when asked for outright and it cannot (and always for `fp8`, which needs it). `attach` checks every layer
+    before it changes any, so a refusal leaves the model as it was."""
     if wanted is False:
         if fp8:
             raise ValueError("speed_up(fp8=True): FP8 base weights are part of the fused LoRA; set fast_lora=True")
         return "off"
-    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, LoraLinear)]
-    why = "the model has no peft LoRA linear layers (attach an adapter with peft first)" if not layers else \
-        next((f"layer {n}: {w}" for n, m in layers if (w := fastlora.why_not(m))), "")
-    if why and (wanted is True or fp8):
-        raise ValueError(f"speed_up(fast_lora{'=True' if wanted is True else ', fp8=True'}): {why}")
-    if why:
-        return f"not applied ({why})"
     try:
         return fastlora.attach(model, fp8=fp8)
+    except ValueError as e:
+        why = str(e).removeprefix("fast_lora: ")
+        if wanted is True or fp8:
+            raise ValueError(f"speed_up(fast_lora{'=True' if wanted is True else ', fp8=True'}): {why}") from None
+        return f"not applied ({why})"
     except RuntimeError as e:  # FP8 without a GPU that has FP8 matmuls
         raise RuntimeError(f"speed_up(fp8=True): {e}") from None
 

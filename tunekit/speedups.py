@@ -52,7 +52,7 @@ def tf32(enabled: bool = True, device: str = "cuda"):
 
 # ---- compilation -----------------------------------------------------------------------------------------
 
-def compile_step(step_module: torch.nn.Module, model, mode: str) -> torch.nn.Module:
+def compile_step(step_module: torch.nn.Module, model, mode: str, dynamic: bool | None = None) -> torch.nn.Module:
     """Compile the step for `mode` and return what to call:
 
     - `regional`: each decoder block's `forward` goes through `torch.compile` (inductor). The blocks run the
@@ -66,14 +66,16 @@ def compile_step(step_module: torch.nn.Module, model, mode: str) -> torch.nn.Mod
 
     Shapes: every new sequence length compiles again (`TORCH_LOGS=recompiles` shows each); packed rows are
     one width, padded batches are rounded up to a multiple of `PAD_MULTIPLE` tokens (`compile_pad_multiple`).
+    `dynamic=True` compiles for every shape at once (torch.compile's own flag), for batches whose shape a
+    trainer of someone else's varies.
     """
     if mode not in COMPILE:
         raise ValueError(f"compile {mode!r}: choose one of {', '.join(COMPILE)}")
     if mode == "regional":
         for layer in decoder_layers(model):
-            layer.forward = torch.compile(layer.forward)
+            layer.forward = torch.compile(layer.forward, dynamic=dynamic)
     elif mode == "model":
-        step_module.forward = torch.compile(step_module.forward)
+        step_module.forward = torch.compile(step_module.forward, dynamic=dynamic)
     return step_module
 
 

@@ -205,13 +205,15 @@ def default_unsloth_site() -> str:
     return os.environ.get("TUNEKIT_UNSLOTH_SITE") or (str(REPO_ROOT / ".unsite") if (REPO_ROOT / ".unsite").is_dir() else "")
 
 
-def _child(args: list[str], env: dict | None = None, timeout: float = 1800) -> tuple[dict | None, str]:
-    """Run `python -m tunekit_course.compare ARGS --json FILE` and return (what it wrote, or None; why not)."""
+def _child(args: list[str], env: dict | None = None, timeout: float = 1800,
+           module: str = "tunekit_course.compare") -> tuple[dict | None, str]:
+    """Run `python -m MODULE ARGS --json FILE` (a stack of a side-by-side race, in a fresh process) and return
+    (what it wrote, or None; why not)."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "row.json"
-        cmd = [sys.executable, "-m", "tunekit_course.compare", *args, "--json", str(out)]
+        cmd = [sys.executable, "-m", module, *args, "--json", str(out)]
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
                                   check=False)

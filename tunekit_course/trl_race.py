@@ -29,7 +29,6 @@ import argparse
 import importlib.util
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +38,7 @@ import torch
 
 from tunekit.config import REPO_ROOT
 from tunekit.results import code_file
+from tunekit_course.compare import _child
 
 STACKS = ("trl", "trl_packing", "trl_tunekit")
 EXTRA = ("trl_tunekit_eager",)  # tunekit's two lines without compiling: no first-step compile to pay
@@ -136,19 +136,6 @@ def run_stack(stack: str, shape: str = "llama7b", samples: int = 32, rows: int =
             "speed_ups": getattr(model, "tunekit_speed_ups", None)}
 
 
-def _child(args: list[str], timeout: float = 1200) -> tuple[dict | None, str]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "row.json"
-        cmd = [sys.executable, "-m", "tunekit_course.trl_race", *args, "--json", str(out)]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
-        except subprocess.TimeoutExpired:
-            return None, f"timed out after {timeout:g} s: {' '.join(cmd)}"
-        if proc.returncode != 0 or not out.exists():
-            return None, f"exit {proc.returncode}: {' '.join(cmd)}\n" + "\n".join(proc.stderr.splitlines()[-15:])
-        return json.loads(out.read_text()), ""
-
-
 def race(name: str = "trl_gsm8k_llama7b", stacks: tuple[str, ...] = STACKS, shape: str = "llama7b",
          samples: int = 32, rows: int = 4, steps: int = 24, warmup: int = 8, verbose: bool = True) -> dict:
     """Run each stack in a fresh process, back to back; one result with a row per stack and the ratios."""
@@ -160,7 +147,7 @@ def race(name: str = "trl_gsm8k_llama7b", stacks: tuple[str, ...] = STACKS, shap
     out = []
     for stack in stacks:
         t0 = time.perf_counter()
-        row, why = _child(["--stack", stack, *size])
+        row, why = _child(["--stack", stack, *size], timeout=1200, module="tunekit_course.trl_race")
         out.append(row or {"stack": stack, "error": why})
         if verbose:
             print(f"{stack:<12} " + (f"{row['tokens_per_s']:>9,.0f} real tok/s  padding {row['padding']:.0%}  peak "
