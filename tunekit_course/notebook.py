@@ -139,13 +139,19 @@ def published(name: str) -> dict | None:
     return results.load_results(path)[0] if path.exists() else None
 
 
+def shown(path: str | Path) -> str:
+    """`path` as a lesson prints it: relative to the checkout where it lies inside it (no path of this machine)."""
+    path = Path(path)
+    return str(path.relative_to(REPO_ROOT)) if path.is_absolute() and path.is_relative_to(REPO_ROOT) else str(path)
+
+
 def save(result: dict) -> Path | None:
     """Save a result a cell measured in this kernel to `results_dir()`; in replay mode nothing is written."""
     if replay_mode():
         print(f"{result['name']}: not saved (replay mode: the published results are read-only)")
         return None
     path = results.save_result(result, results_dir())
-    print(f"result -> {path}")
+    print(f"result -> {shown(path)}")
     return path
 
 
@@ -611,8 +617,7 @@ def intro(*prefixes: str, skip: tuple[str, ...] = ()) -> str:
                 + (f", as a card of {cap:g} GB (TUNEKIT_MEMORY_GB)" if cap else "")
                 + f"; on the published H200 run its measurements took {took} (an estimate from the published "
                   "results' build and step times), more on a slower GPU. Results -> "
-                + str(results_dir().relative_to(REPO_ROOT) if results_dir().is_relative_to(REPO_ROOT) else
-                      results_dir()) + ".")
+                + shown(results_dir()) + ".")
     print(text)
     return text
 
@@ -760,7 +765,7 @@ def lesson5_prepare(gpu: bool) -> None:
     tokenizer = build_tokenizer(cfg)
     if gpu:
         path = mdl.save_random_init(run_arch(cfg, len(tokenizer)), torch.bfloat16, cfg.seed)
-        print(f"random-init weights for QLoRA's 4-bit load: {path}")
+        print(f"random-init weights for QLoRA's 4-bit load: {shown(path)}")
 
 
 def lesson5_plan(gpu: bool, fraction: float = LESSON5_FRACTION) -> list[tuple[str, list, str]]:
@@ -956,7 +961,7 @@ def main(argv: list[str]) -> int:
         for arg in argv:
             print(f"executed {execute(arg)}")
         return 0
-    print(f"results -> {results_dir()} (publish them with: python -m tunekit_course.notebook --publish)")
+    print(f"results -> {shown(results_dir())} (publish them with: python -m tunekit_course.notebook --publish)")
     return 0
 
 
