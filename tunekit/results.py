@@ -122,7 +122,7 @@ def versions() -> dict:
 
     out = {"python": platform.python_version(), "cuda": torch.version.cuda}
     for pkg in ("torch", "transformers", "peft", "accelerate", "datasets", "bitsandbytes", "flash-attn",
-                "liger-kernel"):
+                "liger-kernel", "torchao", "trl"):
         try:
             out[pkg] = md.version(pkg)
         except md.PackageNotFoundError:

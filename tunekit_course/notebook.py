@@ -271,7 +271,7 @@ def run(*args: str, check: bool = True, env: dict | None = None, cwd: Path | Non
     if _replayed(args):
         return 0
     cmd = [sys.executable, "-m", "tunekit.cli", *map(str, args)]
-    extra = " ".join(f"{k}={v}" for k, v in (env or {}).items())
+    extra = " ".join(f"{k}={shown(v)}" for k, v in (env or {}).items())
     print(f"$ {extra + ' ' if extra else ''}tunekit " + " ".join(map(str, args)), flush=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1", **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
@@ -294,7 +294,7 @@ def torchrun(nproc: int, *args: str, env: dict | None = None, check: bool = True
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    extra = " ".join(f"{k}={v}" for k, v in (env or {}).items())
+    extra = " ".join(f"{k}={shown(v)}" for k, v in (env or {}).items())
     print(f"$ {extra + ' ' if extra else ''}torchrun --nproc_per_node {nproc} -m tunekit.cli "
           + " ".join(map(str, args)), flush=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
@@ -954,8 +954,15 @@ def main(argv: list[str]) -> int:
         wanted = argv[3].split(",") if len(argv) > 3 else [name for name, _, _ in plan]
         measure_in_parallel([item for item in plan if item[0] in wanted], int(argv[2]))
     elif argv[:1] == ["--measure"]:
+        from tunekit import speedups
+
         plan = lesson4_plan(on_gpu())
         wanted = argv[3].split(",") if len(argv) > 3 else list(plan)
+        # as the lesson's cells do: a section whose package is missing here is skipped, saying why
+        needs = {"kernels": speedups.liger_available, "fp8": speedups.fp8_available}
+        for section in [s for s in wanted if s in needs and plan.get(s) and needs[s]()]:
+            print(f"{section}: skipped: {needs[section]()}")
+            wanted.remove(section)
         measure_in_parallel([item for s in wanted for item in plan[s]], int(argv[2]))
     else:
         for arg in argv:
