@@ -275,10 +275,14 @@ def attach(model, fp8: bool = False, group: bool = False) -> str:
     if fp8 and not fp8_matmul_available(layers[0][1].base_layer.weight.device):
         raise RuntimeError("fast_lora with fp8: FP8 matmuls need a CUDA GPU of compute capability 8.9+ (Ada, Hopper)")
     if fp8:
-        for _, m in layers:
+        for name, m in layers:
             base = m.base_layer
             if base.in_features % 16 or base.out_features % 16:
-                raise ValueError(f"fast_lora with fp8: {base} has a dimension that is not a multiple of 16")
+                base_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+                raise ValueError(f"fp8: layer {name} of {type(base_model).__name__} is {base.in_features} -> "
+                                 f"{base.out_features}, and FP8 matmuls need both dimensions multiples of 16: "
+                                 "train this model without fp8 (the fused LoRA in bf16), or leave the layer out "
+                                 "of the LoRA targets (--lora-targets)")
     groups = _groups(model, layers) if group else []
     grouped = {id(m) for g in groups for m in g.members}
     for g in groups:

@@ -805,12 +805,13 @@ def headline(rs: dict[str, dict]) -> str:
 
 def render_readme(text: str, rs: dict[str, dict]) -> str:
     """`text` with every generated block (`<!-- NAME:start -->` ... `<!-- NAME:end -->`) rendered anew."""
+    from tunekit import families
     from tunekit_course.trl_race import trl_table
 
     blocks = {"headline": headline(rs), "results": format_table(sorted(step_results(rs), key=lambda r: r["name"])),
               "epochs": epoch_table(rs),
               "claims": claims_table(rs), "reference": reference_table(rs), "speedpush": speed_table(rs),
-              "trl": trl_table(rs)}
+              "trl": trl_table(rs), "families": families.table()}
     for name, body in blocks.items():
         pattern = re.compile(rf"(<!-- {name}:start -->\n)(?:.*?\n)?(<!-- {name}:end -->)", re.DOTALL)
         if not pattern.search(text):

@@ -66,9 +66,10 @@ def test_render_readme_replaces_blocks_and_needs_them():
     text = "a\n<!-- headline:start -->\n<!-- headline:end -->\n<!-- epochs:start -->\n<!-- epochs:end -->\n" \
            "<!-- results:start -->\nOLD-BLOCK\n<!-- results:end -->\n<!-- claims:start -->\n<!-- claims:end -->\n" \
            "<!-- reference:start -->\n<!-- reference:end -->\n<!-- speedpush:start -->\n<!-- speedpush:end -->\n" \
-           "<!-- trl:start -->\n<!-- trl:end -->\nz\n"
+           "<!-- trl:start -->\n<!-- trl:end -->\n<!-- families:start -->\n<!-- families:end -->\nz\n"
     out = claims.render_readme(text, {})
     assert "OLD-BLOCK" not in out and "| # | the article says |" in out and "14 days -> 3 (C16): unmeasured" in out
+    assert "| Qwen2 / 2.5 (`Qwen/Qwen2.5-7B`) | a bias on q/k/v | ✓ |" in out  # families.table()
     assert out.startswith("a\n") and out.endswith("z\n")
     assert claims.render_readme(out, {}) == out
     with pytest.raises(ValueError, match="headline:start"):
