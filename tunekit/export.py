@@ -206,19 +206,28 @@ def _merge_run(run_dir: Path, out: Path, device: str, dtype: torch.dtype, tokens
 
 @torch.no_grad()
 def generate(run_dir: str | Path, prompts: list[str], max_new_tokens: int = 64, device: str = "cpu",
-             dtype: torch.dtype = torch.bfloat16, trust_remote_code: bool = False) -> list[str]:
-    """Greedy continuations of `prompts` by the run's model (its BOS first, as in training), one at a time."""
+             dtype: torch.dtype = torch.bfloat16, trust_remote_code: bool = False, batch_size: int = 1) -> list[str]:
+    """Greedy continuations of `prompts` by the run's model (its BOS first, as in training): `generate_texts`."""
     model, tokenizer, _ = load_run(run_dir, device, dtype, trust_remote_code)
+    return generate_texts(model, tokenizer, prompts, max_new_tokens, batch_size, device)
+
+
+def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int = 64, batch_size: int = 1,
+                   device: str = "cpu") -> list[str]:
+    """Greedy continuations of `prompts` by a loaded model (`load_run`): BOS first, as in training; each stops
+    at EOS. `batch_size` prompts at a time, left-padded; the attention mask hides the padding, so each answer
+    is the one the prompt gets alone (tests/unit/test_evaluate.py checks it)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
     out = []
-    for prompt in prompts:
-        ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids
-        if tokenizer.bos_token_id is not None:
-            ids = torch.cat([torch.tensor([[tokenizer.bos_token_id]]), ids], dim=1)
-        ids = ids.to(device)
-        new = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=tokenizer.pad_token_id,
-                             eos_token_id=tokenizer.eos_token_id)[0, ids.shape[1]:]
-        out.append(tokenizer.decode(new, skip_special_tokens=True))
+    for i in range(0, len(prompts), batch_size):
+        encoded = [bos + ids for ids in tokenizer(prompts[i:i + batch_size], add_special_tokens=False)["input_ids"]]
+        width = max(len(ids) for ids in encoded)
+        ids = torch.tensor([[pad] * (width - len(e)) + e for e in encoded], device=device)
+        mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded], device=device)
+        new = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)[:, width:]
+        out += tokenizer.batch_decode(new, skip_special_tokens=True)
     return out
 
 
