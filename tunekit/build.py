@@ -18,7 +18,7 @@ import signal
 
 import torch
 
-from tunekit import distributed, fastlora, memory, speedups, stopping
+from tunekit import distributed, estimate, fastlora, memory, speedups, stopping
 from tunekit import loss as loss_fn
 from tunekit import model as mdl
 from tunekit.attention import choose_attention, sdpa_backends
@@ -33,9 +33,9 @@ def resolve_runtime(cfg: TuneConfig) -> tuple[str, torch.dtype]:
     """(device, dtype) for `cfg` on this machine, refusing before any data or model work what cannot run here."""
     device = mdl.resolve_device(cfg.device)
     if device != "cuda" and cfg.preset in GPU_PRESETS and not cfg.model and cfg.hidden_size >= 2048:  # its own shape
-        raise RuntimeError(f"preset {cfg.preset!r} builds a {'1.1' if cfg.hidden_size == 2048 else '6.7'}B-parameter "
-                           "model and needs a CUDA GPU, "
-                           "but none is visible (run `tunekit doctor`). On this machine use --preset tiny.")
+        billions = estimate.parameter_count(estimate.Setup.of(cfg, vocab_size=cfg.vocab_size or 32000)) / 1e9
+        raise RuntimeError(f"preset {cfg.preset!r} builds a {billions:.1f}B-parameter {cfg.arch} model and needs a "
+                           "CUDA GPU, but none is visible (run `tunekit doctor`). On this machine use --preset tiny.")
     if cfg.method == "qlora":
         mdl.require_cuda_for_4bit(device)  # before data and model work, not after
     return device, mdl.resolve_dtype(cfg.dtype, device)
@@ -77,9 +77,12 @@ def with_config_threads(fn):
 
 
 def run_arch(cfg: TuneConfig, vocab_size: int):
-    """The Llama config of a random-init run: the config's shape, its vocabulary or the tokenizer's."""
-    return mdl.llama_config(cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.intermediate_size,
-                            cfg.vocab_size or vocab_size, cfg.num_kv_heads, max(cfg.max_length, 2048))
+    """The model config of a random-init run: the family `arch` (a Llama by default, exactly as before families
+    existed) of the config's shape, with its vocabulary or the tokenizer's. The estimator reads the same config
+    (`estimate.Setup.of`)."""
+    return mdl.family_config(cfg.arch, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.intermediate_size,
+                             cfg.vocab_size or vocab_size, cfg.num_kv_heads, cfg.head_dim, cfg.tie_embeddings,
+                             max(cfg.max_length, 2048))
 
 
 def autocast_dtype(device: str, dtype: torch.dtype) -> torch.dtype | None:
@@ -160,7 +163,9 @@ def _build(cfg: TuneConfig, vocab_size: int, device: str, dtype: torch.dtype, ve
     model, step_module, kernels = apply_techniques(model, cfg, device, dtype)
     if verbose:
         trainable, total = mdl.count_parameters(model)
-        source = cfg.model or "random init (no pretrained knowledge: speed and memory match real weights, the loss starts from noise)"
+        family = "" if cfg.arch == "llama" else f" {type(mdl.base_model(model)).__name__}"  # a Llama's line as before
+        source = cfg.model or (f"random init{family} (no pretrained knowledge: speed and memory match real weights, "
+                               "the loss starts from noise)")
         print(f"model: {total / 1e6:.1f}M params, {trainable / 1e6:.2f}M trainable ({cfg.method}), {source}")
         ckpt = ("on, offloaded to CPU" if cfg.grad_ckpt_offload else "on") if cfg.grad_ckpt else "off"
         print(f"attention: {why}; {sdpa_backends(cfg.sdpa_backend, device)[1]}")

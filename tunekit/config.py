@@ -34,6 +34,7 @@ KERNELS = ("none", "liger")
 SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
 PARALLEL = ("auto", "ddp", "fsdp")
 TOKENIZE = ("offline", "in_loop")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 
 
 class ConfigError(ValueError):
@@ -58,7 +59,10 @@ class TuneConfig:
 
     # ---- model -----------------------------------------------------------------------------------
     model: str = ""
-    """Hub name or local path of a causal LM. Empty: build a random-init Llama from the arch fields."""
+    """Hub name or local path of a causal LM. Empty: build a random-init model of `arch` from the arch fields."""
+    arch: str = "llama"
+    """Arch (random init only): the family, as transformers names it (llama, mistral, qwen2, qwen3, gemma2, phi3;
+    gemma3: its text model). What a family fixes (Gemma 2's soft-capping) is its real model's: model.FAMILY_EXTRAS."""
     hidden_size: int = 128
     """Arch (random init only): model width."""
     num_layers: int = 4
@@ -67,10 +71,14 @@ class TuneConfig:
     """Arch (random init only): attention heads."""
     num_kv_heads: int = 0
     """Arch (random init only): key/value heads for GQA. 0 means equal to `num_heads`."""
+    head_dim: int = 0
+    """Arch (random init only): attention head width. 0 means hidden_size / num_heads (Gemma-2-9B's is 256, not 224)."""
     intermediate_size: int = 352
     """Arch (random init only): MLP width."""
     vocab_size: int = 0
     """Arch (random init only): embedding rows. 0 means the tokenizer's vocabulary size."""
+    tie_embeddings: bool = False
+    """Arch (random init only): the LM head is the input embedding table, as in Gemma (false: two tables)."""
     tokenizer: str = ""
     """Hub name or local path of a tokenizer. Empty: `model`'s tokenizer, or (random init) a byte-level
     BPE trained offline on the training data and cached."""
@@ -276,19 +284,13 @@ class TuneConfig:
                 hint = "; pass records with finetune(cfg, data=...)" if name == "data" else ""
                 raise ConfigError(f"config field '{name}' = {value!r}: expected {TYPE_WORDS[typ]}{hint}")
 
-        need(self.method in METHODS, "method", f"choose one of {', '.join(METHODS)}")
-        need(self.dtype in DTYPES, "dtype", f"choose one of {', '.join(DTYPES)}")
-        need(self.attention in ATTENTION, "attention", f"choose one of {', '.join(ATTENTION)}")
-        need(self.device in DEVICES, "device", f"choose one of {', '.join(DEVICES)}")
-        need(self.packing in PACKING, "packing", f"choose one of {', '.join(PACKING)}")
-        need(self.loss in LOSSES, "loss", f"choose one of {', '.join(LOSSES)}")
-        need(self.optimizer in OPTIMIZERS, "optimizer", f"choose one of {', '.join(OPTIMIZERS)}")
-        need(self.parallel in PARALLEL, "parallel", f"choose one of {', '.join(PARALLEL)}")
-        need(self.compile in COMPILE, "compile", f"choose one of {', '.join(COMPILE)}")
-        need(self.tokenize in TOKENIZE, "tokenize", f"choose one of {', '.join(TOKENIZE)}")
+        for name, choices in (("method", METHODS), ("arch", ARCHS), ("dtype", DTYPES), ("attention", ATTENTION),
+                              ("device", DEVICES), ("packing", PACKING), ("loss", LOSSES), ("optimizer", OPTIMIZERS),
+                              ("parallel", PARALLEL), ("compile", COMPILE), ("tokenize", TOKENIZE),
+                              ("kernels", KERNELS)):
+            need(getattr(self, name) in choices, name, f"choose one of {', '.join(choices)}")
         need(self.tokenize == "offline" or self.packing == "pad", "tokenize",
              "in_loop tokenizes each batch as it is read, so its lengths are unknown before: use --packing pad")
-        need(self.kernels in KERNELS, "kernels", f"choose one of {', '.join(KERNELS)}")
         names = [b.strip() for b in self.sdpa_backend.split(",")]
         need(self.sdpa_backend == "auto" or (all(names) and set(names) <= set(SDPA_BACKENDS)), "sdpa_backend",
              f"use auto or a comma-separated list of {', '.join(SDPA_BACKENDS)}")
@@ -319,7 +321,7 @@ class TuneConfig:
                      "bench_steps", "hidden_size", "num_layers", "num_heads", "intermediate_size"):
             need(getattr(self, name) > 0, name, "must be a positive integer")
         for name in ("num_workers", "save_every", "warmup_steps", "bench_warmup", "num_kv_heads", "vocab_size",
-                     "cpu_threads", "global_batch"):
+                     "cpu_threads", "global_batch", "head_dim"):
             need(getattr(self, name) >= 0, name, "must be zero or positive")
         need(self.lr > 0, "lr", "must be positive")
         need(math.isfinite(self.epochs) and self.epochs >= 0, "epochs", "must be zero (use max_steps) or a positive number")
@@ -336,7 +338,7 @@ class TuneConfig:
             need(self.lora_r > 0, "lora_r", "LoRA/QLoRA need a positive rank")
             need(self.lora_alpha > 0, "lora_alpha", "the update is scaled by lora_alpha / lora_r, so a scale of "
                  "0 or less trains nothing useful; use a positive value (commonly 2 * lora_r)")
-        need(self.hidden_size % self.num_heads == 0, "hidden_size", "must be divisible by num_heads")
+        need(self.head_dim or not self.hidden_size % self.num_heads, "hidden_size", "must be divisible by num_heads")
         if self.num_kv_heads:
             need(self.num_heads % self.num_kv_heads == 0, "num_kv_heads", "must divide num_heads")
         need(self.tokenizer_vocab >= 256 + 8, "tokenizer_vocab", "a byte-level BPE needs at least 264 entries")

@@ -2,8 +2,10 @@
 
 `estimate_memory` predicts the peak of one training step of a Llama-shaped model from its shape and the
 config (method, checkpointing, loss, optimizer, offloads), counting the weights, adapters, optimizer states,
-gradients, the activations autograd saves and the loss's logits. `estimate_max_batch` turns it into the
-largest micro-batch that fits a GPU, `cannot_fit_message` into what to change when nothing does.
+gradients, the activations autograd saves and the loss's logits; the shape is read from the model's config, a hub
+model's or the one random init builds (`model.config_shape`: wide heads, a tied table and a family's extra block
+weights count as built; the activations are Llama's). `estimate_max_batch` turns it into the largest micro-batch
+that fits a GPU, `cannot_fit_message` into what to change when nothing does.
 
 How it was checked: the activation model against the tensors autograd really saves on a tiny model, to the
 byte; the whole peak against every published H200 step result (tests/unit/test_memory.py, both).
@@ -64,7 +66,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from tunekit.config import OPTIMIZERS
+from tunekit import model as mdl
+from tunekit.config import OPTIMIZERS, TuneConfig
 from tunekit.distributed import choose_parallel
 from tunekit.loss import chunk_tokens
 from tunekit.optim import state_bytes_per_param
@@ -89,36 +92,52 @@ def _lora_modules(method: str, lora_targets: str) -> tuple[str, ...]:
     return names
 
 
-def _linear_shapes(hidden: int, heads: int, kv_heads: int, intermediate: int) -> dict[str, tuple[int, int]]:
-    kv = hidden // heads * kv_heads
-    return {"q_proj": (hidden, hidden), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (hidden, hidden),
+def _head_widths(hidden: int, heads: int, kv_heads: int, head_dim: int = 0) -> tuple[int, int]:
+    d = head_dim or hidden // heads  # (q width, k/v width); head_dim 0: hidden / heads
+    return heads * d, kv_heads * d
+
+
+def _linear_shapes(hidden: int, heads: int, kv_heads: int, intermediate: int,
+                   head_dim: int = 0) -> dict[str, tuple[int, int]]:
+    q, kv = _head_widths(hidden, heads, kv_heads, head_dim)
+    return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
             "gate_proj": (hidden, intermediate), "up_proj": (hidden, intermediate),
             "down_proj": (intermediate, hidden)}
+
+
+def base_parameters(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int,
+                    head_dim: int = 0, tie_embeddings: bool = False, layer_extras: int = 0) -> tuple[int, int]:
+    """(the decoder blocks' projection weights, everything else: embeddings, LM head unless tied, norms, the
+    family's `layer_extras` a block). QLoRA quantizes the first; the second stays bf16."""
+    linear = layers * sum(i * o for i, o in _linear_shapes(hidden, heads, kv_heads, intermediate, head_dim).values())
+    tables = 1 if tie_embeddings else 2  # a tied LM head is the embedding table itself
+    return linear, tables * vocab * hidden + (2 * layers + 1) * hidden + layers * layer_extras
 
 
 def estimate_layer_activations(hidden: int, heads: int, kv_heads: int, intermediate: int, tokens: int,
                                method: str, lora_r: int = 16, lora_targets: str = "all-linear",
                                input_needs_grad: bool = True, lora_input_cast: bool = True,
-                               scores_per_token: int = 0) -> int:
+                               scores_per_token: int = 0, head_dim: int = 0) -> int:
     """Bytes autograd saves for backward in one Llama decoder layer under bf16 autocast with SDPA.
 
     `tokens` is batch * seq. `input_needs_grad=False` is the first layer of a LoRA model without
     checkpointing: the frozen embedding's output needs no gradient, so its input norm saves nothing.
     `lora_input_cast` is peft's default fp32 cast of each adapter's input (see `model.apply_lora`).
     `scores_per_token` (heads x seq) is set for attention that materializes its scores (eager, SDPA's math
-    kernel): each score is kept twice, as the fp32 softmax output and its bf16 copy."""
+    kernel): each score is kept twice, as the fp32 softmax output and its bf16 copy. `head_dim` 0: hidden / heads;
+    else q, k, v and the attention output are heads (kv heads) x head_dim wide."""
     T, H, I = tokens, hidden, intermediate
-    kv = H // heads * kv_heads
+    q, kv = _head_widths(H, heads, kv_heads, head_dim)
     full = method == "full"
     adapted = _lora_modules(method, lora_targets)
-    shapes = _linear_shapes(H, heads, kv_heads, I)
+    shapes = _linear_shapes(H, heads, kv_heads, I, head_dim)
     norm = 4 * T * H + 4 * T + (2 * T * H if full else 0)  # fp32 upcast + rstd (+ bf16 normalized for the weight)
     b = norm if input_needs_grad or full else 0  # input_layernorm
     b += norm  # post_attention_layernorm
     if full:
         b += 2 * T * H * 2  # the inputs of q/k/v (one shared tensor) and of gate/up
         b += 2 * T * I  # down_proj's input (o_proj's input is the SDPA output itself, stored (B, S, h, d))
-    b += 2 * T * (H + 2 * kv) + 2 * T * H  # q, k, v after RoPE; the attention output
+    b += 2 * T * (q + 2 * kv) + 2 * T * q  # q, k, v after RoPE; the attention output
     b += 6 * T * scores_per_token if scores_per_token else 4 * T * heads  # the scores, or a fused kernel's logsumexp
     b += 3 * 2 * T * I  # SwiGLU: gate (silu's input), silu(gate) and up (the product's operands)
     for name in adapted:
@@ -136,12 +155,12 @@ def estimate_saved_activations(hidden: int, layers: int, heads: int, kv_heads: i
                                vocab: int, seq: int, batch: int, method: str, lora_r: int = 16,
                                lora_targets: str = "all-linear", grad_ckpt: bool = False,
                                lora_input_cast: bool = True, loss: str = "plain", offload: bool = False,
-                               stream_bytes: int = 2, scores_per_token: int = 0) -> dict:
+                               stream_bytes: int = 2, scores_per_token: int = 0, head_dim: int = 0) -> dict:
     """Bytes held for backward on the GPU at the end of the forward pass: `layers` (decoder layers, or their
     saved inputs under checkpointing, none when offloaded), `rest` (embedding, final norm, LM head, RoPE
     tables, labels) and `log_softmax` (its fp32 output; the chunked loss keeps none), plus `total`.
     `stream_bytes` is the residual stream's dtype size (4 when peft's k-bit preparation upcast it);
-    `scores_per_token` is as in `estimate_layer_activations`."""
+    `scores_per_token` and `head_dim` are as in `estimate_layer_activations`."""
     T = batch * seq
     full = method == "full"
     if grad_ckpt:
@@ -149,13 +168,14 @@ def estimate_saved_activations(hidden: int, layers: int, heads: int, kv_heads: i
     else:
         per_layer = [estimate_layer_activations(hidden, heads, kv_heads, intermediate, T, method, lora_r,
                                                 lora_targets, input_needs_grad=full or i > 0,
-                                                lora_input_cast=lora_input_cast, scores_per_token=scores_per_token)
+                                                lora_input_cast=lora_input_cast, scores_per_token=scores_per_token,
+                                                head_dim=head_dim)
                      for i in range(layers)]
     rest = 4 * T * hidden + 4 * T  # final norm: fp32 upcast + rstd
     if full:
         rest += 2 * T * hidden * 2 + 8 * T  # bf16 normalized (for the norm weight), LM head input, token ids
     if not grad_ckpt:
-        rest += 2 * 2 * seq * (hidden // heads)  # RoPE cos and sin (bf16), shared by all layers
+        rest += 2 * 2 * seq * (head_dim or hidden // heads)  # RoPE cos and sin (bf16), shared by all layers
     plain = loss == "plain"
     rest += 8 * T if plain else 0  # the labels cross-entropy keeps
     out = {"layers": sum(per_layer), "rest": rest, "log_softmax": 4 * T * vocab if plain else 0}
@@ -169,7 +189,8 @@ def estimate_memory(hidden: int, layers: int, heads: int, kv_heads: int, interme
                     overhead_bytes: int = OVERHEAD_BYTES, loss: str = "chunked", lora_input_cast: bool = False,
                     offload: bool = False, kbit_prepare: bool = False, embed_offload: bool = False,
                     attention_scores: bool = False, world_size: int = 1, parallel: str = "ddp",
-                    fsdp_reshard: bool = True) -> dict:
+                    fsdp_reshard: bool = True, head_dim: int = 0, tie_embeddings: bool = False,
+                    layer_extras: int = 0) -> dict:
     """Predict the peak GPU memory (bytes, as `torch.cuda.max_memory_allocated` reports it) of one training
     step of a Llama-shaped model with tunekit's loop, before loading anything. See the module docstring.
 
@@ -178,6 +199,10 @@ def estimate_memory(hidden: int, layers: int, heads: int, kv_heads: int, interme
     adds what is gathered at a time: two decoder blocks' weights (the one running and the one prefetched) and,
     for full fine-tuning, one block's fp32 gradients before their reduce-scatter; with `fsdp_reshard=False`
     every block's gathered weights stay from its forward to its backward.
+
+    `head_dim` (0: hidden / heads), `tie_embeddings` (one table for the embeddings and the LM head) and
+    `layer_extras` (a block's weights beyond its seven projections and two norms) are as the model's config has
+    them (`model.config_shape`).
 
     Returns the named parts, `total` (the predicted peak), `peak_at` (which moment of the step it is),
     `cuda_context` and `device_total` (= total + cuda_context)."""
@@ -188,9 +213,10 @@ def estimate_memory(hidden: int, layers: int, heads: int, kv_heads: int, interme
     if loss not in ("chunked", "plain"):
         raise ValueError(f"loss: {loss!r}; use 'chunked' or 'plain'")
     T = batch * seq
-    shapes = _linear_shapes(hidden, heads, kv_heads, intermediate)
-    linear = layers * sum(i * o for i, o in shapes.values())
-    other = 2 * vocab * hidden + (2 * layers + 1) * hidden  # embeddings, LM head (untied), norms
+    shapes = _linear_shapes(hidden, heads, kv_heads, intermediate, head_dim)
+    linear, other = base_parameters(hidden, layers, heads, kv_heads, intermediate, vocab, head_dim, tie_embeddings,
+                                    layer_extras)
+    tables = 1 if tie_embeddings else 2  # the embedding table and the LM head, or the one tied table
     adapted = _lora_modules(method, lora_targets)
     lora = layers * sum(lora_r * sum(shapes[n]) for n in adapted)
     # peft's k-bit preparation upcasts QLoRA's non-4-bit weights, and with them the residual stream, to fp32
@@ -199,7 +225,8 @@ def estimate_memory(hidden: int, layers: int, heads: int, kv_heads: int, interme
         weights = int(linear * NF4_BYTES) + other_bytes * other
     else:
         weights = weight_dtype_bytes * (linear + other)
-    embed_offload = embed_offload and method != "full"
+    # a tied table stays on the GPU as the LM head (memory.offload_embeddings moves a copy for the lookup only)
+    embed_offload = embed_offload and method != "full" and not tie_embeddings
     if embed_offload:  # the input table and the LM head live in CPU memory
         weights -= 2 * other_bytes * vocab * hidden
     trainable, train_bytes = (linear + other, weight_dtype_bytes) if method == "full" else (lora, 4)
@@ -215,11 +242,11 @@ def estimate_memory(hidden: int, layers: int, heads: int, kv_heads: int, interme
     scores = heads * seq if attention_scores else 0
     saved = estimate_saved_activations(hidden, layers, heads, kv_heads, intermediate, vocab, seq, batch,
                                        method, lora_r, lora_targets, grad_ckpt, lora_input_cast, loss, offload,
-                                       stream_bytes=other_bytes, scores_per_token=scores)
+                                       stream_bytes=other_bytes, scores_per_token=scores, head_dim=head_dim)
     parts["activations"] = saved["layers"] + saved["rest"]
     parts["recompute"] = (estimate_layer_activations(hidden, heads, kv_heads, intermediate, T, method, lora_r,
                                                      lora_targets, lora_input_cast=lora_input_cast,
-                                                     scores_per_token=scores)
+                                                     scores_per_token=scores, head_dim=head_dim)
                           + (2 * T * hidden if offload else 0)  # the block input, back from the CPU
                           + 8 * T * scores  # materialized scores' backward: fp32 gradient in and out
                           if grad_ckpt else 0)
@@ -237,7 +264,7 @@ def estimate_memory(hidden: int, layers: int, heads: int, kv_heads: int, interme
     if world_size > 1 and parallel == "fsdp":
         for k in ("weights", "lora", "optimizer", "gradients"):
             parts[k] //= world_size
-        block = (weights - 2 * other_bytes * vocab * hidden) // layers  # one decoder block's stored weights
+        block = (weights - tables * other_bytes * vocab * hidden) // layers  # one decoder block's stored weights
         gathered = 2 * block if fsdp_reshard else layers * block
         parts["parallel"] = gathered + (4 * linear // layers if method == "full" else 0)
     elif world_size > 1:  # DDP: the buckets the gradients are all-reduced from
@@ -286,15 +313,27 @@ class Setup:
     parallel: str = "auto"
     fsdp_reshard: bool = True
     dtype: str = "auto"
+    head_dim: int = 0
+    tie_embeddings: bool = False
+    layer_extras: int = 0  # from the model's config (`model.config_shape`), not a TuneConfig field
 
     @classmethod
     def of(cls, cfg, world_size: int = 1, **changes) -> Setup:
         """The setup of a `TuneConfig` or of a config dict (a result file's): its fields of these names, on
-        `world_size` GPUs, with `changes`. With `model` set, the shape is that model's (`model_shape`), not the
-        config's shape fields."""
+        `world_size` GPUs, with `changes`. The shape is read from a model config either way: with `model` set, that
+        model's (`model_shape`), not the config's shape fields; else the one random init builds of them (as
+        `build.run_arch`; a field a result file's config lacks is TuneConfig's default: no `arch`, a Llama), its
+        `vocab_size` kept (0: the tokenizer's, unknown before loading)."""
         source = cfg if isinstance(cfg, dict) else dataclasses.asdict(cfg)
-        names = {f.name for f in dataclasses.fields(cls)} - {"world_size"}
-        shape = model_shape(source["model"], bool(source.get("trust_remote_code"))) if source.get("model") else {}
+        names = {f.name for f in dataclasses.fields(cls)} - {"world_size", "layer_extras"}
+        if source.get("model"):
+            shape = model_shape(source["model"], bool(source.get("trust_remote_code")))
+        else:
+            f = {n: source.get(n, d.default) for n, d in TuneConfig.__dataclass_fields__.items()}
+            config = mdl.family_config(f["arch"], f["hidden_size"], f["num_layers"], f["num_heads"],
+                                       f["intermediate_size"], f["vocab_size"] or 1, f["num_kv_heads"], f["head_dim"],
+                                       f["tie_embeddings"])
+            shape = {**mdl.config_shape(config, f"a random-init {f['arch']} model"), "vocab_size": f["vocab_size"]}
         return cls(**{**{n: source[n] for n in names if n in source}, **shape, "world_size": world_size,
                       **changes})
 
@@ -325,7 +364,15 @@ def estimate_memory_for(setup: Setup | None = None, /, *args, **fields) -> dict:
                            embed_offload=s.embed_offload,
                            attention_scores=s.attention == "eager" or s.sdpa_backend.split(",")[0].strip() == "math",
                            world_size=s.world_size, parallel=choose_parallel(s.parallel, s.method),
-                           fsdp_reshard=s.fsdp_reshard)
+                           fsdp_reshard=s.fsdp_reshard, head_dim=s.head_dim, tie_embeddings=s.tie_embeddings,
+                           layer_extras=s.layer_extras)
+
+
+def parameter_count(setup: Setup) -> int:
+    """The base model's parameters, as `estimate_memory` counts its weights (`base_parameters`)."""
+    s = setup
+    return sum(base_parameters(s.hidden_size, s.num_layers, s.num_heads, s.num_kv_heads or s.num_heads,
+                               s.intermediate_size, s.vocab_size, s.head_dim, s.tie_embeddings, s.layer_extras))
 
 
 def format_estimate(est: dict) -> str:
@@ -338,23 +385,16 @@ def format_estimate(est: dict) -> str:
 
 @functools.cache
 def model_shape(name_or_path: str, trust_remote_code: bool = False) -> dict:
-    """The `Setup` shape fields of a model (a local folder's config.json, or the hub's config): width, layers,
-    heads, KV heads, MLP width and vocabulary. A config that cannot be read is an error: the estimate is never
-    of another shape than the model's."""
+    """The `Setup` shape fields of a model (a local folder's config.json, or the hub's config), as `config_shape`
+    reads them. A config that cannot be read is an error: the estimate is never of another shape than the
+    model's."""
     from transformers import AutoConfig
 
     from tunekit.hub import load_pretrained
 
     try:
-        config = load_pretrained(AutoConfig, name_or_path, "model", trust_remote_code).get_text_config()
+        config = load_pretrained(AutoConfig, name_or_path, "model", trust_remote_code)
     except (OSError, ValueError) as e:
         raise ValueError(f"estimating {name_or_path!r}: its config is unreadable ({e}); the estimate needs the "
                          "model's shape (a local folder with config.json, or a reachable hub)") from None
-    need = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
-    if missing := [k for k in need if not getattr(config, k, None)]:
-        raise ValueError(f"estimating {name_or_path!r}: its config has no {', '.join(missing)} (a "
-                         f"{config.model_type} model); the estimator models decoder-only transformers")
-    return {"hidden_size": config.hidden_size, "num_layers": config.num_hidden_layers,
-            "num_heads": config.num_attention_heads, "intermediate_size": config.intermediate_size,
-            "num_kv_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-            "vocab_size": config.vocab_size}
+    return mdl.config_shape(config, repr(name_or_path))

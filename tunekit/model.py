@@ -1,8 +1,11 @@
 """Models: from the hub, from a local path, or built offline with random weights, and their adapters.
 
-- `build_model` makes a causal LM from a hub name/path, or a random-init Llama of any shape. Random init
-  happens directly on the target device: a 7B model takes seconds on a GPU, not minutes on a CPU. Speed and
+- `build_model` makes a causal LM from a hub name/path, or a random-init model of any shape: a Llama
+  (`llama_config`) or another dense family (`family_config`: Mistral, Qwen2, Qwen3, Gemma 2 and 3, Phi-3). Random
+  init happens directly on the target device: a 7B model takes seconds on a GPU, not minutes on a CPU. Speed and
   memory of a random-init model equal those of the real weights; its loss means nothing.
+- `refuse_mixture_of_experts`: tunekit's fast paths and estimator are for dense decoders; an MoE model is
+  refused when its config is first read (`model_class_of`).
 - `apply_lora` attaches LoRA adapters (https://arxiv.org/abs/2106.09685) through peft; only the adapters train.
 - `load_quantized` loads NF4 4-bit weights with bitsandbytes for QLoRA (https://arxiv.org/abs/2305.14314).
 - `decoder_layers`: the model's decoder blocks, which checkpointing, compiling and FSDP2 each work block by block.
@@ -60,13 +63,121 @@ def resolve_dtype(requested: str, device: str) -> torch.dtype:
 
 
 def llama_config(hidden_size: int, num_layers: int, num_heads: int, intermediate_size: int, vocab_size: int,
-                 num_kv_heads: int = 0, max_position: int = 4096):
+                 num_kv_heads: int = 0, max_position: int = 4096, head_dim: int = 0, tie_embeddings: bool = False):
     from transformers import LlamaConfig
 
+    # head_dim is passed only when set: unset, LlamaConfig takes hidden / heads itself, and the config (whose JSON
+    # keys the random-init cache, `save_random_init`) stays what it always was.
+    extra = {"head_dim": head_dim} if head_dim else {}
     return LlamaConfig(hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
                        num_key_value_heads=num_kv_heads or num_heads, intermediate_size=intermediate_size,
                        vocab_size=vocab_size, max_position_embeddings=max_position, use_cache=False,
-                       tie_word_embeddings=False)
+                       tie_word_embeddings=tie_embeddings, **extra)
+
+
+# What is fixed in each family (config.ARCHS), as its published model's config.json has it; the shape comes from
+# the run's config. Only what the step computes differently is set here (soft-capping, sliding windows, the attention
+# scale, the MLP's activation): RoPE's base and the token ids change neither its speed nor its memory. What a family's classes build in
+# (Qwen2's q/k/v biases, Qwen3's and Gemma 3's q/k norms, Gemma's four norms a block) needs nothing here.
+FAMILY_EXTRAS: dict[str, dict] = {
+    "llama": {},  # meta-llama/Llama-3.1-8B (llama_config)
+    "mistral": {"sliding_window": None},  # mistralai/Mistral-7B-v0.3: full attention (v0.1 had a 4096 window)
+    "qwen2": {"use_sliding_window": False},  # Qwen/Qwen2.5-7B
+    "qwen3": {"use_sliding_window": False},  # Qwen/Qwen3-8B
+    "gemma2": {"final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0, "query_pre_attn_scalar": 256,
+               "sliding_window": 4096, "hidden_activation": "gelu_pytorch_tanh"},  # google/gemma-2-9b
+    "gemma3": {"final_logit_softcapping": None, "attn_logit_softcapping": None, "query_pre_attn_scalar": 256,
+               "sliding_window": 1024, "hidden_activation": "gelu_pytorch_tanh"},  # google/gemma-3-12b-pt's text_config
+    "phi3": {"sliding_window": 2047},  # microsoft/Phi-3-mini-4k-instruct
+}
+MODEL_TYPES = {"gemma3": "gemma3_text"}  # arch -> transformers' model_type, where they differ (Gemma 3's text model)
+
+
+def family_config(arch: str, hidden_size: int, num_layers: int, num_heads: int, intermediate_size: int,
+                  vocab_size: int, num_kv_heads: int = 0, head_dim: int = 0, tie_embeddings: bool = False,
+                  max_position: int = 4096):
+    """The config of a random-init model of family `arch` (one of config.ARCHS), in transformers' own config class
+    (Qwen2Config, Gemma2Config, ...): the shape given plus the family's `FAMILY_EXTRAS`. `llama` is `llama_config`,
+    unchanged. `head_dim` 0: hidden_size / num_heads.
+
+    The family's token ids are dropped (None): tunekit's tokenizer numbers its own tokens, and an id of the real
+    model's (Phi-3's pad 32000) can lie outside a small vocabulary, where an embedding refuses it."""
+    if arch == "llama":
+        return llama_config(hidden_size, num_layers, num_heads, intermediate_size, vocab_size, num_kv_heads,
+                            max_position, head_dim, tie_embeddings)
+    if arch not in FAMILY_EXTRAS:
+        raise ValueError(f"arch {arch!r}: unknown model family; choose one of {', '.join(FAMILY_EXTRAS)}")
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(MODEL_TYPES.get(arch, arch), hidden_size=hidden_size, num_hidden_layers=num_layers,
+                                num_attention_heads=num_heads, num_key_value_heads=num_kv_heads or num_heads,
+                                head_dim=head_dim or hidden_size // num_heads, intermediate_size=intermediate_size,
+                                vocab_size=vocab_size, max_position_embeddings=max_position,
+                                tie_word_embeddings=tie_embeddings, use_cache=False, pad_token_id=None,
+                                bos_token_id=None, eos_token_id=None, **FAMILY_EXTRAS[arch])
+
+
+# Where transformers' configs keep a mixture-of-experts model's experts a layer: Mixtral's num_local_experts,
+# Qwen2-MoE's and Qwen3-MoE's (and OLMoE's) num_experts, DeepSeek-V2/V3's n_routed_experts, DBRX-style
+# moe_num_experts.
+EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def experts_of(config) -> int:
+    """Experts a layer of the model `config` describes (its text model's, for a multimodal one); 0 when dense."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    counts = [getattr(text, f, None) for f in EXPERT_FIELDS]
+    return max([n for n in counts if isinstance(n, int) and not isinstance(n, bool)] or [0])
+
+
+def refuse_mixture_of_experts(config, name: str = "") -> None:
+    """Refuse a mixture-of-experts model, before anything is built or estimated for it: tunekit's fused LoRA, its
+    all-linear targets, block-by-block checkpointing and FSDP2, and its memory estimator each assume every token
+    runs through one dense MLP a layer; an MoE model would train slowly or estimate wrong, not fail."""
+    if (experts := experts_of(config)) > 1:
+        what = name or f"a random-init {config.model_type} model"
+        raise ValueError(f"{what}: a mixture-of-experts model ({config.model_type}, {experts} experts a layer). "
+                         "tunekit's fast paths (fused LoRA, block-by-block checkpointing and FSDP2) and its memory "
+                         "estimator are for dense decoder models. Fine-tune a dense model (e.g. Qwen/Qwen2.5-7B, "
+                         "meta-llama/Llama-3.1-8B), or this one with plain transformers + peft.")
+
+
+# Per block, beyond the seven projection weights and the input and post-attention norms, by model_type: more norms
+# of width hidden (Gemma 2 and 3 norm each sublayer's input and output), and q/k norms of width head_dim (Qwen3,
+# Gemma 3). Qwen2 biases q, k and v whatever its config says; others where `attention_bias` / `mlp_bias` is set.
+EXTRA_NORMS = {"gemma2": 2, "gemma3_text": 2}
+QK_NORMS = ("qwen3", "gemma3_text")
+QKV_BIAS = ("qwen2",)
+
+
+def config_shape(config, name: str = "the model") -> dict:
+    """The shape of a transformers model config (a multimodal one's text model) in TuneConfig's field names, as the
+    estimator's `Setup` takes it: width, layers, heads, KV heads, head width (0: hidden / heads), MLP width,
+    vocabulary, whether the LM head is the embedding table, and `layer_extras`, the weights a family adds to each
+    block. `name` names the model in errors. A mixture-of-experts model is refused (`refuse_mixture_of_experts`):
+    the estimator models dense MLPs. `family_config` is the other way round."""
+    text = config.get_text_config()
+    refuse_mixture_of_experts(text, name)
+    need = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+    if missing := [k for k in need if not getattr(text, k, None)]:
+        raise ValueError(f"estimating {name}: its config has no {', '.join(missing)} (a "
+                         f"{text.model_type} model); the estimator models decoder-only transformers")
+    hidden, heads = text.hidden_size, text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
+    q, kv = heads * head_dim, kv_heads * head_dim
+    kind = text.model_type
+    extras = EXTRA_NORMS.get(kind, 0) * hidden + (2 * head_dim if kind in QK_NORMS else 0)
+    if kind in QKV_BIAS:
+        extras += q + 2 * kv
+    elif getattr(text, "attention_bias", False):
+        extras += q + 2 * kv + hidden  # q, k, v and o
+    if getattr(text, "mlp_bias", False):
+        extras += 2 * text.intermediate_size + hidden
+    return {"hidden_size": hidden, "num_layers": text.num_hidden_layers, "num_heads": heads,
+            "intermediate_size": text.intermediate_size, "num_kv_heads": kv_heads, "vocab_size": text.vocab_size,
+            "head_dim": 0 if head_dim * heads == hidden else head_dim,
+            "tie_embeddings": bool(getattr(text, "tie_word_embeddings", False)), "layer_extras": extras}
 
 
 def causal_lm_class(config):
@@ -81,12 +192,19 @@ def causal_lm_class(config):
 
 
 def model_class_of(arch=None, name_or_path: str = "", trust_remote_code: bool = False):
-    """The causal-LM class a model would be built as: from `arch`, or from the config of `name_or_path`."""
+    """The causal-LM class a model would be built as: from `arch`, or from the config of `name_or_path`. The first
+    place a run reads its model's config, so a mixture-of-experts model is refused here
+    (`refuse_mixture_of_experts`), before any weights load."""
     if not name_or_path:
-        return causal_lm_class(arch) if arch is not None else None
+        if arch is None:
+            return None
+        refuse_mixture_of_experts(arch)
+        return causal_lm_class(arch)
     from transformers import AutoConfig
 
-    return causal_lm_class(load_pretrained(AutoConfig, name_or_path, "model", trust_remote_code))
+    config = load_pretrained(AutoConfig, name_or_path, "model", trust_remote_code)
+    refuse_mixture_of_experts(config, name_or_path)
+    return causal_lm_class(config)
 
 
 def build_model(arch=None, name_or_path: str = "", dtype: torch.dtype = torch.float32, device: str = "cpu",

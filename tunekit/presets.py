@@ -73,6 +73,79 @@ def llama1b_full(**overrides) -> TuneConfig:
                                     num_heads=32, num_kv_heads=4, intermediate_size=5632, lr=1e-4), **overrides})
 
 
+# ---- each popular family at its real 7-9B shape, random init -----------------------------------------------------
+# Speed and memory equal the real weights' (the same classes, shapes and family settings: model.FAMILY_EXTRAS); the
+# loss means nothing. On a rented GPU with the hub in reach, pass the hub name in each docstring as --model for the
+# real weights (the shape fields are then ignored). The vocabulary is the real one, so the embedding table and the
+# LM head cost what they do; the offline tokenizer stays _llama7b's 32,000-token BPE (it must fit in vocab_size,
+# and one tokenizer keeps the samples' token counts, and so the step's work, the same across these presets).
+
+
+def _family(arch: str, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int,
+            head_dim: int = 0, tied: bool = False, **kw) -> dict:
+    return _llama7b(arch=arch, hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
+                    intermediate_size=intermediate, vocab_size=vocab, head_dim=head_dim, tie_embeddings=tied, **kw)
+
+
+def _llama3_8b(**kw) -> dict:  # meta-llama/Llama-3.1-8B: 8.03 B parameters
+    return _family("llama", 4096, 32, 32, 8, 14336, 128256, **kw)
+
+
+def _qwen25_7b(**kw) -> dict:  # Qwen/Qwen2.5-7B: 7.62 B parameters, untied
+    return _family("qwen2", 3584, 28, 28, 4, 18944, 152064, **kw)
+
+
+def _qwen3_8b(**kw) -> dict:  # Qwen/Qwen3-8B: 8.19 B parameters
+    return _family("qwen3", 4096, 36, 32, 8, 12288, 151936, head_dim=128, **kw)
+
+
+def _mistral7b(**kw) -> dict:  # mistralai/Mistral-7B-v0.3: 7.25 B parameters
+    return _family("mistral", 4096, 32, 32, 8, 14336, 32768, **kw)
+
+
+def _gemma2_9b(**kw) -> dict:  # google/gemma-2-9b: 9.24 B parameters, heads of 256 wider than 3584 / 16, tied
+    return _family("gemma2", 3584, 42, 16, 8, 14336, 256000, head_dim=256, tied=True, **kw)
+
+
+def llama3_8b_lora(**overrides) -> TuneConfig:
+    """Llama-3.1-8B's shape (GQA with 8 KV heads, vocabulary 128,256), random init, bf16 LoRA r16 on every linear
+    layer, seq 2048, batch 4, as llama7b_lora. Real weights: --model meta-llama/Llama-3.1-8B."""
+    return TuneConfig(**{**_llama3_8b(preset="llama3_8b_lora", method="lora"), **overrides})
+
+
+def qwen25_7b_lora(**overrides) -> TuneConfig:
+    """Qwen2.5-7B's shape (q/k/v biases, 4 KV heads, vocabulary 152,064), random init, bf16 LoRA r16, seq 2048,
+    batch 4, as llama7b_lora. Real weights: --model Qwen/Qwen2.5-7B."""
+    return TuneConfig(**{**_qwen25_7b(preset="qwen25_7b_lora", method="lora"), **overrides})
+
+
+def qwen25_7b_qlora(**overrides) -> TuneConfig:
+    """Qwen2.5-7B's shape, random init, NF4 double-quant weights with bf16 compute, LoRA r16, checkpointing,
+    batch 8, as llama7b_qlora. Real weights: --model Qwen/Qwen2.5-7B."""
+    return TuneConfig(**{**_qwen25_7b(preset="qwen25_7b_qlora", method="qlora", grad_ckpt=True, batch_size=8),
+                         **overrides})
+
+
+def qwen3_8b_lora(**overrides) -> TuneConfig:
+    """Qwen3-8B's shape (36 layers, q/k norms, vocabulary 151,936), random init, bf16 LoRA r16, seq 2048, batch 4,
+    as llama7b_lora. Real weights: --model Qwen/Qwen3-8B."""
+    return TuneConfig(**{**_qwen3_8b(preset="qwen3_8b_lora", method="lora"), **overrides})
+
+
+def mistral7b_lora(**overrides) -> TuneConfig:
+    """Mistral-7B-v0.3's shape (8 KV heads, full attention, vocabulary 32,768), random init, bf16 LoRA r16,
+    seq 2048, batch 4, as llama7b_lora. Real weights: --model mistralai/Mistral-7B-v0.3."""
+    return TuneConfig(**{**_mistral7b(preset="mistral7b_lora", method="lora"), **overrides})
+
+
+def gemma2_9b_lora(**overrides) -> TuneConfig:
+    """Gemma-2-9B's shape (42 layers, 16 heads of 256, tied vocabulary of 256,000, soft-capped logits, a 4,096-token
+    window every other layer), random init, bf16 LoRA r16, seq 2048, batch 4, as llama7b_lora. Gemma 2 has no SDPA
+    path in transformers (its scores are soft-capped): `auto` attention takes flash-attn or FlexAttention on a GPU.
+    Real weights: --model google/gemma-2-9b."""
+    return TuneConfig(**{**_gemma2_9b(preset="gemma2_9b_lora", method="lora"), **overrides})
+
+
 def shakespeare(**overrides) -> TuneConfig:
     """A 10M-parameter Llama trained from scratch on tinyshakespeare (1 MB of text; BPE of 1,024 tokens trained
     on it), 5% held out: lesson 4's optimizer convergence. Minutes on a GPU."""
@@ -86,12 +159,15 @@ def shakespeare(**overrides) -> TuneConfig:
 PRESETS: dict[str, typing.Callable[..., TuneConfig]] = {
     "tiny": tiny, "llama7b_lora": llama7b_lora, "llama7b_qlora": llama7b_qlora,
     "llama7b_qlora_lowmem": llama7b_qlora_lowmem, "llama7b_before": llama7b_before, "llama7b_after": llama7b_after,
-    "llama1b_full": llama1b_full, "shakespeare": shakespeare,
+    "llama1b_full": llama1b_full, "shakespeare": shakespeare, "llama3_8b_lora": llama3_8b_lora,
+    "qwen25_7b_lora": qwen25_7b_lora, "qwen25_7b_qlora": qwen25_7b_qlora, "qwen3_8b_lora": qwen3_8b_lora,
+    "mistral7b_lora": mistral7b_lora, "gemma2_9b_lora": gemma2_9b_lora,
 }
 
 
 GPU_PRESETS = ("llama7b_lora", "llama7b_qlora", "llama7b_qlora_lowmem", "llama7b_before", "llama7b_after",
-               "llama1b_full")
+               "llama1b_full", "llama3_8b_lora", "qwen25_7b_lora", "qwen25_7b_qlora", "qwen3_8b_lora",
+               "mistral7b_lora", "gemma2_9b_lora")
 
 
 def get_preset(name: str, **overrides) -> TuneConfig:
