@@ -13,10 +13,18 @@ import dataclasses
 @dataclasses.dataclass(frozen=True)
 class Family:
     name: str  # as the README names it
-    model_type: str  # transformers' config `model_type`
+    arch: str  # what `--arch` calls it (config.ARCHS): the family a random-init preset of it builds
     hub: str  # a hub model of the family, for `--model`
     sets_apart: str  # what the family's layout has that Llama-2's has not
     tiny: dict  # the config fields of the test's tiny model beyond the shared shape (`TINY`)
+
+    @property
+    def model_type(self) -> str:
+        """transformers' config `model_type`."""
+        return MODEL_TYPES.get(self.arch, self.arch)
+
+
+MODEL_TYPES = {"gemma3": "gemma3_text"}  # arch -> transformers' model_type, where they differ (Gemma 3's text model)
 
 
 # The tests' tiny shape, shared by every family: seconds a model on CPU
@@ -36,7 +44,7 @@ FAMILIES = dict(zip(("llama2", "llama3", "mistral", "qwen2", "qwen3", "gemma2", 
     Family("Gemma 2", "gemma2", "google/gemma-2-9b", "soft-capped logits, tied embeddings, no SDPA path",
            {"head_dim": 16, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
             "tie_word_embeddings": True}),
-    Family("Gemma 3 (text)", "gemma3_text", "google/gemma-3-1b-pt",
+    Family("Gemma 3 (text)", "gemma3", "google/gemma-3-1b-pt",
            "RMSNorm on queries and keys, local and global layers, tied embeddings",
            {"head_dim": 16, "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"],
             "tie_word_embeddings": True}),

@@ -27,6 +27,7 @@ import torch
 
 from tunekit import fastlora
 from tunekit.attention import choose_attention
+from tunekit.families import MODEL_TYPES
 from tunekit.hub import WeightsError, check_weights, load_pretrained
 from tunekit.io import atomic_output, cache_dir
 
@@ -90,7 +91,6 @@ FAMILY_EXTRAS: dict[str, dict] = {
                "sliding_window": 1024, "hidden_activation": "gelu_pytorch_tanh"},  # google/gemma-3-12b-pt's text_config
     "phi3": {"sliding_window": 2047},  # microsoft/Phi-3-mini-4k-instruct
 }
-MODEL_TYPES = {"gemma3": "gemma3_text"}  # arch -> transformers' model_type, where they differ (Gemma 3's text model)
 
 
 def family_config(arch: str, hidden_size: int, num_layers: int, num_heads: int, intermediate_size: int,

@@ -30,6 +30,14 @@ def test_every_family_has_its_class():
     assert set(CLASSES) == set(ARCHS)
 
 
+def test_every_arch_a_preset_can_build_is_a_family_the_matrix_tests():
+    # --arch builds what the README's families table lists, and nothing the matrix does not check
+    from tunekit.families import FAMILIES
+    from tunekit.model import FAMILY_EXTRAS
+
+    assert {f.arch for f in FAMILIES.values()} == set(ARCHS) == set(FAMILY_EXTRAS)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("head_dim, tied", [(0, False), (24, True)])
 def test_each_arch_builds_its_class_of_the_config_s_shape(arch, head_dim, tied):
