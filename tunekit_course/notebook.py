@@ -145,6 +145,15 @@ def shown(path: str | Path) -> str:
     return str(path.relative_to(REPO_ROOT)) if path.is_absolute() and path.is_relative_to(REPO_ROOT) else str(path)
 
 
+_SITE_PACKAGES = re.compile(r"(?:/[^\s'\"]+)?/(?:site|dist)-packages/")
+
+
+def tidy(line: str) -> str:
+    """A line of a command's output as a lesson prints it: paths inside the checkout relative to it, a package's
+    file from its `site-packages/` on (a traceback's or PyTorch's log's), so no folder of this machine shows."""
+    return _SITE_PACKAGES.sub("site-packages/", line.replace(f"{REPO_ROOT}{os.sep}", ""))
+
+
 def save(result: dict) -> Path | None:
     """Save a result a cell measured in this kernel to `results_dir()`; in replay mode nothing is written."""
     if replay_mode():
@@ -276,7 +285,7 @@ def run(*args: str, check: bool = True, env: dict | None = None, cwd: Path | Non
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1", **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
     for line in proc.stdout:
-        print(line, end="")
+        print(tidy(line), end="")
     code = proc.wait()
     if check and code != 0:
         raise RuntimeError(f"tunekit {' '.join(map(str, args))} failed with exit code {code}")
@@ -303,7 +312,7 @@ def torchrun(nproc: int, *args: str, env: dict | None = None, check: bool = True
                 "LOGLEVEL": "ERROR", **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, cwd=cwd)
     last, held = None, []  # `held`: a traceback, printed at the end unless it is only the launcher's report
-    for line in proc.stdout:
+    for line in map(tidy, proc.stdout):
         if line.startswith(("W1", "E1", "I1", "[W", "*****", "Setting OMP_NUM_THREADS")) or line == last:
             continue  # the launcher's chatter, and the same line from a second rank
         if held or line.startswith("Traceback (most recent call last)"):

@@ -4,6 +4,7 @@ a GPU, and where its results go. No GPU needed: smoke mode is forced with TUNEKI
 from __future__ import annotations
 
 import json
+import re
 import types
 from pathlib import Path
 
@@ -150,6 +151,31 @@ def test_committed_notebooks_read_correctly_untrusted_and_open_clean(path):
     assert text == nbformat.writes(nb) + "\n", f"{path.name}: not as nbformat (and JupyterLab) write it"
     first = nb.cells[0]
     assert first.cell_type == "markdown" and f"git checkout notebooks/{path.name}" in first.source
+
+
+def test_a_command_s_output_is_printed_without_this_machine_s_folders():
+    assert notebook.tidy(f"result -> {REPO_ROOT / 'runs' / 'a.json'}\n") == "result -> runs/a.json\n"
+    log = ("[__recompiles] Recompiling function forward in "
+           "/opt/torch/.venv/lib/python3.12/site-packages/transformers/models/llama/modeling_llama.py:295")
+    assert notebook.tidy(log).endswith(" in site-packages/transformers/models/llama/modeling_llama.py:295")
+    assert notebook.tidy('  File "/usr/lib/python3/dist-packages/x.py", line 3') == '  File "site-packages/x.py", line 3'
+    assert notebook.tidy("torch/_dynamo/guards.py:4760] same") == "torch/_dynamo/guards.py:4760] same"
+
+
+# Notebooks executed since commands' output and the lessons' own paths are printed tidied (`notebook.tidy`,
+# `notebook.shown`); the others join this list as they are executed again.
+TIDIED = ["04_speedups.ipynb"]
+MACHINE_FOLDER = re.compile(r"(?<![\w.])/(?:work|root|tmp|home|opt|usr|mnt)/|\.devsite|\.gpudata")
+
+
+@pytest.mark.parametrize("name", TIDIED)
+def test_committed_outputs_name_no_folder_of_the_machine_that_ran_them(name):
+    nb = nbformat.read(REPO_ROOT / "notebooks" / name, as_version=4)
+    found = [(i, m.group(0), text[max(0, m.start() - 60):m.end() + 40])
+             for i, cell in enumerate(nb.cells) for o in cell.get("outputs", [])
+             for text in [o.get("text", "") + str(o.get("data", {}).get("text/plain", ""))]
+             for m in MACHINE_FOLDER.finditer(text)]
+    assert not found, f"{name}: outputs name folders of the machine that ran them: {found[:5]}"
 
 
 def test_execute_writes_plain_text_progress_and_the_kernelspec(tmp_path, monkeypatch):
