@@ -24,17 +24,8 @@ byte; the whole peak against every published H200 step result (tests/unit/test_m
   for full fine-tuning, since our loop trains bf16 weights directly (no fp32 master copy); 8-bit AdamW two
   bytes in all.
 - gradients: one per trainable parameter, in its dtype.
-- activations: what autograd saves for backward, counted tensor by tensor from the code path and checked
-  exactly against `saved_tensors_hooks` on a tiny model (tests/unit/test_memory.py). Per decoder layer, with
-  B*S tokens, width H, MLP width I: each RMSNorm saves its fp32 upcast (4 B*S*H) and rstd; q, k, v after
-  RoPE, the attention output and a fused kernel's fp32 logsumexp (eager attention and SDPA's math kernel
-  instead keep every score twice, fp32 and bf16: 6 B*heads*S*S bytes); SwiGLU saves gate, up and silu(gate)
-  (3 x 2 B*S*I) and the down projection's input. Full fine-tuning adds the linear inputs and the bf16
-  normalized inputs that the trainable weights need. LoRA adds, per adapted linear, the rank-r intermediate
-  and bf16 copies of the adapter weights, and whatever input lora_A must keep: with peft's input cast a
-  bf16 copy per adapted linear, without it only the tensors no frozen layer kept already (8 B*S*H bytes a
-  layer less). With checkpointing a layer keeps only its bf16 input (2 B*S*H; nothing on the GPU when
-  offloaded); backward recomputes one layer at a time, so one layer's activations come back.
+- activations: what autograd saves for backward, counted tensor by tensor (`tunekit.activations`): op by
+  op in PyTorch's own kernels, or fused, as a compiled step and Liger's kernels save them.
 - logits: the plain loss peaks in the backward of log_softmax at 14 bytes per logit: the bf16 logits
   (micro_step holds them), the saved fp32 log_softmax output, the fp32 gradient from nll_loss and the fp32
   gradient log_softmax produces (B*S*V elements each). The chunked loss holds one chunk's logits (bf16,
@@ -47,8 +38,9 @@ byte; the whole peak against every published H200 step result (tests/unit/test_m
 The peak is the largest of three moments: the loss (all saved activations + the loss's own), the first
 recomputed layer under checkpointing (saved inputs + one layer + gradients), and the end of backward (all
 gradients; matters only for full fine-tuning). tests/unit/test_memory.py checks it against every published
-result file in notebooks/results: all within 15%, most within 4%; full fine-tuning is the worst (+13%, an
-overestimate), a few QLoRA steps are up to 7% under.
+bf16 step result in notebooks/results, eager, compiled, Liger and FP8, on every family measured: all within 15%,
+most within 4%; full fine-tuning is the worst (+13%, an overestimate; compiled, 18-21% over and not checked),
+checkpointed QLoRA steps are up to 11% under (Qwen2.5-7B's shape).
 
 ## Allocated is not reserved: what fits under a cap
 
@@ -67,6 +59,12 @@ import dataclasses
 import functools
 
 from tunekit import model as mdl
+from tunekit.activations import (
+    estimate_layer_activations,
+    estimate_saved_activations,
+    linear_shapes,
+    lora_modules,
+)
 from tunekit.config import OPTIMIZERS, TuneConfig
 from tunekit.distributed import choose_parallel
 from tunekit.loss import chunk_tokens
@@ -74,113 +72,18 @@ from tunekit.optim import state_bytes_per_param
 
 # ---- the parts of the peak ----------------------------------------------------------------------------
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 NF4_BYTES = 0.5 + 0.127 / 8  # 4 bits a weight + double-quantized absmax constants (QLoRA paper, sec. 3)
 OVERHEAD_BYTES = int(0.25e9)  # cuBLAS workspaces, bnb dequant buffer, small transients
 CUDA_CONTEXT_BYTES = int(0.75e9)  # driver context + kernels; not in max_memory_allocated
-
-
-def _lora_modules(method: str, lora_targets: str) -> tuple[str, ...]:
-    if method == "full":
-        return ()
-    if lora_targets == "all-linear":
-        return LINEARS
-    names = tuple(t.strip() for t in lora_targets.split(",") if t.strip())
-    unknown = [n for n in names if n not in LINEARS]
-    if unknown:
-        raise ValueError(f"lora_targets: unknown module(s) {unknown}; use 'all-linear' or some of {LINEARS}")
-    return names
-
-
-def _head_widths(hidden: int, heads: int, kv_heads: int, head_dim: int = 0) -> tuple[int, int]:
-    d = head_dim or hidden // heads  # (q width, k/v width); head_dim 0: hidden / heads
-    return heads * d, kv_heads * d
-
-
-def _linear_shapes(hidden: int, heads: int, kv_heads: int, intermediate: int,
-                   head_dim: int = 0) -> dict[str, tuple[int, int]]:
-    q, kv = _head_widths(hidden, heads, kv_heads, head_dim)
-    return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
-            "gate_proj": (hidden, intermediate), "up_proj": (hidden, intermediate),
-            "down_proj": (intermediate, hidden)}
 
 
 def base_parameters(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int,
                     head_dim: int = 0, tie_embeddings: bool = False, layer_extras: int = 0) -> tuple[int, int]:
     """(the decoder blocks' projection weights, everything else: embeddings, LM head unless tied, norms, the
     family's `layer_extras` a block). QLoRA quantizes the first; the second stays bf16."""
-    linear = layers * sum(i * o for i, o in _linear_shapes(hidden, heads, kv_heads, intermediate, head_dim).values())
+    linear = layers * sum(i * o for i, o in linear_shapes(hidden, heads, kv_heads, intermediate, head_dim).values())
     tables = 1 if tie_embeddings else 2  # a tied LM head is the embedding table itself
     return linear, tables * vocab * hidden + (2 * layers + 1) * hidden + layers * layer_extras
-
-
-def estimate_layer_activations(hidden: int, heads: int, kv_heads: int, intermediate: int, tokens: int,
-                               method: str, lora_r: int = 16, lora_targets: str = "all-linear",
-                               input_needs_grad: bool = True, lora_input_cast: bool = True,
-                               scores_per_token: int = 0, head_dim: int = 0) -> int:
-    """Bytes autograd saves for backward in one Llama decoder layer under bf16 autocast with SDPA.
-
-    `tokens` is batch * seq. `input_needs_grad=False` is the first layer of a LoRA model without
-    checkpointing: the frozen embedding's output needs no gradient, so its input norm saves nothing.
-    `lora_input_cast` is peft's default fp32 cast of each adapter's input (see `model.apply_lora`).
-    `scores_per_token` (heads x seq) is set for attention that materializes its scores (eager, SDPA's math
-    kernel): each score is kept twice, as the fp32 softmax output and its bf16 copy. `head_dim` 0: hidden / heads;
-    else q, k, v and the attention output are heads (kv heads) x head_dim wide."""
-    T, H, I = tokens, hidden, intermediate
-    q, kv = _head_widths(H, heads, kv_heads, head_dim)
-    full = method == "full"
-    adapted = _lora_modules(method, lora_targets)
-    shapes = _linear_shapes(H, heads, kv_heads, I, head_dim)
-    norm = 4 * T * H + 4 * T + (2 * T * H if full else 0)  # fp32 upcast + rstd (+ bf16 normalized for the weight)
-    b = norm if input_needs_grad or full else 0  # input_layernorm
-    b += norm  # post_attention_layernorm
-    if full:
-        b += 2 * T * H * 2  # the inputs of q/k/v (one shared tensor) and of gate/up
-        b += 2 * T * I  # down_proj's input (o_proj's input is the SDPA output itself, stored (B, S, h, d))
-    b += 2 * T * (q + 2 * kv) + 2 * T * q  # q, k, v after RoPE; the attention output
-    b += 6 * T * scores_per_token if scores_per_token else 4 * T * heads  # the scores, or a fused kernel's logsumexp
-    b += 3 * 2 * T * I  # SwiGLU: gate (silu's input), silu(gate) and up (the product's operands)
-    for name in adapted:
-        fan_in, fan_out = shapes[name]
-        b += 2 * T * lora_r + 2 * lora_r * (fan_in + fan_out)  # x@A, bf16 copies of A and B
-        b += 2 * T * fan_in if lora_input_cast else 0  # the cast makes each adapter's input its own tensor
-    if not lora_input_cast:  # lora_A saves its input as is: the tensors no frozen layer kept already
-        b += 2 * T * H * (bool({"q_proj", "k_proj", "v_proj"} & set(adapted)) +  # the attention norm's output
-                          bool({"gate_proj", "up_proj"} & set(adapted)))  # the MLP norm's output
-        b += 2 * T * I * ("down_proj" in adapted)  # silu(gate) * up; o_proj's input is attention's saved output
-    return b
-
-
-def estimate_saved_activations(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int,
-                               vocab: int, seq: int, batch: int, method: str, lora_r: int = 16,
-                               lora_targets: str = "all-linear", grad_ckpt: bool = False,
-                               lora_input_cast: bool = True, loss: str = "plain", offload: bool = False,
-                               stream_bytes: int = 2, scores_per_token: int = 0, head_dim: int = 0) -> dict:
-    """Bytes held for backward on the GPU at the end of the forward pass: `layers` (decoder layers, or their
-    saved inputs under checkpointing, none when offloaded), `rest` (embedding, final norm, LM head, RoPE
-    tables, labels) and `log_softmax` (its fp32 output; the chunked loss keeps none), plus `total`.
-    `stream_bytes` is the residual stream's dtype size (4 when peft's k-bit preparation upcast it);
-    `scores_per_token` and `head_dim` are as in `estimate_layer_activations`."""
-    T = batch * seq
-    full = method == "full"
-    if grad_ckpt:
-        per_layer = [0 if offload else stream_bytes * T * hidden] * layers  # each block's input
-    else:
-        per_layer = [estimate_layer_activations(hidden, heads, kv_heads, intermediate, T, method, lora_r,
-                                                lora_targets, input_needs_grad=full or i > 0,
-                                                lora_input_cast=lora_input_cast, scores_per_token=scores_per_token,
-                                                head_dim=head_dim)
-                     for i in range(layers)]
-    rest = 4 * T * hidden + 4 * T  # final norm: fp32 upcast + rstd
-    if full:
-        rest += 2 * T * hidden * 2 + 8 * T  # bf16 normalized (for the norm weight), LM head input, token ids
-    if not grad_ckpt:
-        rest += 2 * 2 * seq * (head_dim or hidden // heads)  # RoPE cos and sin (bf16), shared by all layers
-    plain = loss == "plain"
-    rest += 8 * T if plain else 0  # the labels cross-entropy keeps
-    out = {"layers": sum(per_layer), "rest": rest, "log_softmax": 4 * T * vocab if plain else 0}
-    out["total"] = sum(out.values())
-    return out
 
 
 def estimate_memory(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int,
@@ -190,7 +93,7 @@ def estimate_memory(hidden: int, layers: int, heads: int, kv_heads: int, interme
                     offload: bool = False, kbit_prepare: bool = False, embed_offload: bool = False,
                     attention_scores: bool = False, world_size: int = 1, parallel: str = "ddp",
                     fsdp_reshard: bool = True, head_dim: int = 0, tie_embeddings: bool = False,
-                    layer_extras: int = 0) -> dict:
+                    layer_extras: int = 0, fused: bool = False, fp8_weights: bool = False) -> dict:
     """Predict the peak GPU memory (bytes, as `torch.cuda.max_memory_allocated` reports it) of one training
     step of a Llama-shaped model with tunekit's loop, before loading anything. See the module docstring.
 
@@ -202,7 +105,9 @@ def estimate_memory(hidden: int, layers: int, heads: int, kv_heads: int, interme
 
     `head_dim` (0: hidden / heads), `tie_embeddings` (one table for the embeddings and the LM head) and
     `layer_extras` (a block's weights beyond its seven projections and two norms) are as the model's config has
-    them (`model.config_shape`).
+    them (`model.config_shape`). `fused`: the activations a compiled step or Liger's kernels save
+    (`tunekit.activations`). `fp8_weights`: the fused LoRA's FP8 base weights (`fastlora.attach(fp8=True)`), two
+    copies of a byte a weight beside the bf16 ones.
 
     Returns the named parts, `total` (the predicted peak), `peak_at` (which moment of the step it is),
     `cuda_context` and `device_total` (= total + cuda_context)."""
@@ -213,11 +118,11 @@ def estimate_memory(hidden: int, layers: int, heads: int, kv_heads: int, interme
     if loss not in ("chunked", "plain"):
         raise ValueError(f"loss: {loss!r}; use 'chunked' or 'plain'")
     T = batch * seq
-    shapes = _linear_shapes(hidden, heads, kv_heads, intermediate, head_dim)
+    shapes = linear_shapes(hidden, heads, kv_heads, intermediate, head_dim)
     linear, other = base_parameters(hidden, layers, heads, kv_heads, intermediate, vocab, head_dim, tie_embeddings,
                                     layer_extras)
     tables = 1 if tie_embeddings else 2  # the embedding table and the LM head, or the one tied table
-    adapted = _lora_modules(method, lora_targets)
+    adapted = lora_modules(method, lora_targets)
     lora = layers * sum(lora_r * sum(shapes[n]) for n in adapted)
     # peft's k-bit preparation upcasts QLoRA's non-4-bit weights, and with them the residual stream, to fp32
     other_bytes = 4 if kbit_prepare and method == "qlora" else 2
@@ -225,6 +130,8 @@ def estimate_memory(hidden: int, layers: int, heads: int, kv_heads: int, interme
         weights = int(linear * NF4_BYTES) + other_bytes * other
     else:
         weights = weight_dtype_bytes * (linear + other)
+    if fp8_weights:  # per output row for the forward, per input column for the input gradient
+        weights += 2 * layers * sum(shapes[n][0] * shapes[n][1] for n in adapted)
     # a tied table stays on the GPU as the LM head (memory.offload_embeddings moves a copy for the lookup only)
     embed_offload = embed_offload and method != "full" and not tie_embeddings
     if embed_offload:  # the input table and the LM head live in CPU memory
@@ -242,8 +149,11 @@ def estimate_memory(hidden: int, layers: int, heads: int, kv_heads: int, interme
     scores = heads * seq if attention_scores else 0
     saved = estimate_saved_activations(hidden, layers, heads, kv_heads, intermediate, vocab, seq, batch,
                                        method, lora_r, lora_targets, grad_ckpt, lora_input_cast, loss, offload,
-                                       stream_bytes=other_bytes, scores_per_token=scores, head_dim=head_dim)
+                                       stream_bytes=other_bytes, scores_per_token=scores, head_dim=head_dim,
+                                       fused=fused)
     parts["activations"] = saved["layers"] + saved["rest"]
+    # the block backward recomputes keeps what an eager one saves, compiled or not (on the H200 a checkpointed
+    # QLoRA step peaks higher compiled than eager: 12.69 against 12.36 GB)
     parts["recompute"] = (estimate_layer_activations(hidden, heads, kv_heads, intermediate, T, method, lora_r,
                                                      lora_targets, lora_input_cast=lora_input_cast,
                                                      scores_per_token=scores, head_dim=head_dim)
@@ -315,6 +225,10 @@ class Setup:
     dtype: str = "auto"
     head_dim: int = 0
     tie_embeddings: bool = False
+    compile: str = "none"
+    kernels: str = "none"
+    fp8: bool = False
+    fast_lora: bool = False
     layer_extras: int = 0  # from the model's config (`model.config_shape`), not a TuneConfig field
 
     @classmethod
@@ -359,13 +273,16 @@ def estimate_memory_for(setup: Setup | None = None, /, *args, **fields) -> dict:
                          "measure an fp32 step with `tunekit bench` instead")
     return estimate_memory(s.hidden_size, s.num_layers, s.num_heads, s.num_kv_heads or s.num_heads, s.intermediate_size,
                            s.vocab_size, s.max_length, s.batch_size, s.method, s.lora_r, s.lora_targets, s.grad_ckpt,
-                           optimizer=s.optimizer, loss=s.loss, lora_input_cast=s.lora_input_cast,
+                           optimizer=s.optimizer,
+                           loss="chunked" if s.loss == "liger" else s.loss,  # Liger's fused loss: in chunks too
+                           lora_input_cast=s.lora_input_cast,
                            offload=s.grad_ckpt_offload, kbit_prepare=s.peft_kbit_prepare,
                            embed_offload=s.embed_offload,
                            attention_scores=s.attention == "eager" or s.sdpa_backend.split(",")[0].strip() == "math",
                            world_size=s.world_size, parallel=choose_parallel(s.parallel, s.method),
                            fsdp_reshard=s.fsdp_reshard, head_dim=s.head_dim, tie_embeddings=s.tie_embeddings,
-                           layer_extras=s.layer_extras)
+                           layer_extras=s.layer_extras, fused=s.compile != "none" or s.kernels == "liger",
+                           fp8_weights=s.fp8 and s.fast_lora)
 
 
 def parameter_count(setup: Setup) -> int:

@@ -498,7 +498,8 @@ def speed_table(rs: dict[str, dict]) -> str:
              "| loss agreement | commit |"), "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted((r for r in rs.values() if str(r.get("call", "")).startswith("compare.")), key=lambda r: r["name"]):
         c = r["config"]
-        setup = f"{c['method']} b{c['batch_size']}x{c['max_length']}" + (", ckpt" if c["grad_ckpt"] else "") + (
+        setup = (f"`{c['preset']}` shape, " if c.get("preset") else "") + (
+            f"{c['method']} b{c['batch_size']}x{c['max_length']}") + (", ckpt" if c["grad_ckpt"] else "") + (
             " offloaded" if c.get("grad_ckpt_offload") else "") + (
             f", tunekit {c['compile']} compile" if c.get("compile", "none") != "none" else "")
 

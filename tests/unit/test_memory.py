@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import small_model
 
-from tunekit import config, estimate, fitting, memory
+from tunekit import activations, config, estimate, fitting, memory
 from tunekit import model as mdl
 from tunekit.build import build_training_model
 from tunekit.data.batching import Collator
@@ -156,7 +156,7 @@ def measure_saved_bytes(layers: int, method: str, ckpt: bool, peft_cast: bool = 
 
 def estimate_saved(layers: int, method: str, ckpt: bool, cast: bool = True) -> dict:
     a = EST_ARCH
-    return estimate.estimate_saved_activations(a["hidden"], layers, a["heads"], a["kv_heads"],
+    return activations.estimate_saved_activations(a["hidden"], layers, a["heads"], a["kv_heads"],
                                                a["intermediate"], a["vocab"], SEQ, BATCH, method, RANK,
                                                grad_ckpt=ckpt, lora_input_cast=cast)
 
@@ -173,7 +173,7 @@ def test_estimated_activations_match_saved_tensors(method, ckpt):
     assert (estimated[3] - estimated[1]) / 2 == pytest.approx(per_layer, rel=0.01)
     if not ckpt:  # the per-layer formula itself, on a layer whose input needs a gradient
         a = EST_ARCH
-        formula = estimate.estimate_layer_activations(a["hidden"], a["heads"], a["kv_heads"],
+        formula = activations.estimate_layer_activations(a["hidden"], a["heads"], a["kv_heads"],
                                                       a["intermediate"], BATCH * SEQ, method, RANK)
         assert formula == pytest.approx(per_layer, rel=0.01)
 
@@ -205,11 +205,11 @@ def published_results(one_process: bool = False) -> dict:
 
 
 def estimated_kind(config: dict) -> bool:
-    """A bf16 step of PyTorch's own kernels, op by op: what the estimator models. Compiled, Liger and FP8 steps
-    keep other activations (inductor and Liger fuse them away, FP8 keeps its casts), and fp32 ones twice the
-    bytes: measured, not estimated."""
-    return (config.get("compile", "none") == "none" and config.get("kernels", "none") == "none"
-            and not config.get("fp8") and config.get("loss") != "liger" and config.get("dtype") != "fp32")
+    """A bf16 step: eager, compiled or with Liger's kernels (their fused activations), FP8 too. fp32 steps keep
+    twice the bytes, and a compiled full fine-tune less than the fused model counts (tunekit/activations.py):
+    measured, not estimated."""
+    compiled_full = config.get("method") == "full" and config.get("compile", "none") != "none"
+    return config.get("dtype") != "fp32" and not compiled_full
 
 
 def h200_results() -> list:
