@@ -70,6 +70,15 @@ def test_flops_per_token_7b_full():
     assert got == pytest.approx(6 * linear + attention, rel=1e-6)  # every matmul weight, no embedding lookup
 
 
+def test_flops_per_token_count_heads_wider_than_hidden_over_heads():
+    # Gemma-2-9B: 16 heads of 256 in a width of 3584 (not 224): q/k/v/o and attention are counted at 256
+    hidden, layers, heads, kv, inter, vocab, seq = 3584, 42, 16, 8, 14336, 256000, 2048
+    got = flops_per_token(hidden, layers, heads, kv, inter, vocab, seq, "full", head_dim=256)
+    linear = layers * (hidden * 16 * 256 * 2 + hidden * 8 * 256 * 2 + 3 * hidden * inter) + hidden * vocab
+    assert got == pytest.approx(6 * linear + 3 * layers * 2 * seq * 16 * 256, rel=1e-9)
+    assert got > flops_per_token(hidden, layers, heads, kv, inter, vocab, seq, "full")
+
+
 def test_lora_flops_are_two_thirds_of_full():
     args = (4096, 32, 32, 32, 11008, 32000)
     full_short = flops_per_token(*args, 1, "full")

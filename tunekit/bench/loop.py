@@ -141,7 +141,7 @@ def run_epoch(cfg: TuneConfig, fraction: float = 1.0, name: str = "", verbose: b
     steady_s = steps_s - first
     per_token = flops_per_token(cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads or cfg.num_heads,
                                 cfg.intermediate_size, cfg.vocab_size or summary["vocab_size"], cfg.max_length,
-                                cfg.method, summary["params_trainable"] if cfg.method != "full" else 0)
+                                cfg.method, summary["params_trainable"] if cfg.method != "full" else 0, cfg.head_dim)
     gpu = gpu_name()
     peak = peak_flops(gpu) if torch.cuda.is_available() else None
     every = max(1, len(rows) // 300)

@@ -112,7 +112,7 @@ def run_bench(cfg: TuneConfig, name: str = "", verbose: bool = True, memory_cap_
     trainable, total = count_parameters(model)
     fpt = flops_per_token(cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads or cfg.num_heads,
                           cfg.intermediate_size, vocab, cfg.max_length, cfg.method,
-                          trainable if cfg.method != "full" else 0)
+                          trainable if cfg.method != "full" else 0, cfg.head_dim)
     gpu = gpu_name()
     peak = peak_flops(gpu) if device == "cuda" else None
     achieved = fpt * tokens / median

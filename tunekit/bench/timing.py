@@ -23,17 +23,20 @@ def peak_flops(name: str) -> float | None:
 
 
 def flops_per_token(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int,
-                    seq: int, method: str, lora_params: int = 0) -> float:
+                    seq: int, method: str, lora_params: int = 0, head_dim: int = 0) -> float:
     """Training FLOPs per token for a Llama-shaped model.
 
     Forward: 2 FLOPs per weight per token for every matmul (attention projections, MLP, LM head) plus
     causal attention scores and values, 2 * seq * hidden per layer (half of the full 4 * seq * hidden).
     Backward: full fine-tuning computes input *and* weight gradients (2x forward); with frozen base weights
     (LoRA, QLoRA) only input gradients (1x forward) — so a LoRA step needs 2/3 the FLOPs of a full one.
-    Attention has no weights: its backward is 2x forward either way."""
-    kv = hidden // heads * kv_heads
-    matmul = layers * (2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * intermediate) + hidden * vocab
-    attn = layers * 2 * seq * hidden
+    Attention has no weights: its backward is 2x forward either way. `head_dim` 0: hidden / heads (Gemma's
+    heads are wider)."""
+    from tunekit.activations import head_widths, linear_shapes
+
+    shapes = linear_shapes(hidden, heads, kv_heads, intermediate, head_dim)
+    matmul = layers * sum(i * o for i, o in shapes.values()) + hidden * vocab
+    attn = layers * 2 * seq * head_widths(hidden, heads, kv_heads, head_dim)[0]
     weight_passes = 3 if method == "full" else 2
     return 2 * matmul * weight_passes + attn * 3 + 6 * lora_params
 
