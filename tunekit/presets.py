@@ -66,6 +66,52 @@ def llama7b_after(**overrides) -> TuneConfig:
                                     eval_data="gsm8k-test"), **overrides})
 
 
+# ---- the full run's three recipes, each named for what it is -------------------------------------------------
+# One whole run each on GSM8K train, the held-out loss on its test split. The checklist is the before with the
+# article's items switched on and nothing else, so checklist / before judges the article's claim (C16) alone;
+# tunekit's recipe is what the course found beyond it.
+
+def article_before(**overrides) -> TuneConfig:
+    """The article's "before" on the stack a plain HF + PEFT user has by default: tokenized in the loop by a
+    default DataLoader, batches padded to their longest sample, SDPA attention in PyTorch's kernel order
+    (transformers' default), the plain loss over full logits, no TF32, no compile, torch's AdamW as constructed
+    by default (foreach); QLoRA with checkpointing for memory, with peft's k-bit preparation and input casts.
+    8 samples x 7 micro-batches a step. One epoch."""
+    return TuneConfig(**{**_llama7b(preset="article_before", method="qlora", grad_ckpt=True, peft_kbit_prepare=True,
+                                    lora_input_cast=True, tokenize="in_loop", packing="pad", attention="sdpa",
+                                    sdpa_backend="flash,efficient,math,cudnn", loss="plain", tf32=False,
+                                    compile="none", optimizer="adamw_foreach", batch_size=8, grad_accum=7,
+                                    num_workers=0, pin_memory=False, persistent_workers=False, warmup_steps=10,
+                                    eval_data="gsm8k-test", epochs=1.0), **overrides})
+
+
+# what the article's checklist changes of the before (ARTICLE_ITEMS), and nothing else: QLoRA, checkpointing and
+# gradient accumulation, on its list too, the before has already
+ARTICLE_ITEMS = {
+    "tokenize": "offline",  # C1: datasets.map, ahead of training
+    "num_workers": 2, "pin_memory": True, "prefetch_factor": 4, "persistent_workers": True,  # C2's DataLoader
+    "sdpa_backend": "flash",  # C9: FlashAttention (SDPA's flash kernel; the flash-attn package has no wheel here)
+    "tf32": True,  # C13
+    "compile": "model",  # C14: torch.compile(model)
+    "optimizer": "adamw8bit",  # C15: its 8-bit optimizer
+}
+
+
+def article_checklist(**overrides) -> TuneConfig:
+    """The article's checklist as written: `article_before` with every item the article lists
+    (`ARTICLE_ITEMS`: offline tokenization, its DataLoader settings, FlashAttention, TF32, torch.compile, 8-bit
+    AdamW) and nothing it does not: the same padded batches, QLoRA with checkpointing, accumulation. One epoch."""
+    return article_before(**{**ARTICLE_ITEMS, "preset": "article_checklist", **overrides})
+
+
+def tunekit_recipe(**overrides) -> TuneConfig:
+    """tunekit's recipe, the fastest the course measured that fits one H200: `llama7b_after` (offline
+    tokenization, packed rows with per-sample attention, bf16 LoRA without checkpointing, the chunked loss,
+    regional compile, fused AdamW, TF32) with the fused LoRA and frozen FP8 base weights (lesson 6). Three
+    epochs."""
+    return llama7b_after(**{"preset": "tunekit_recipe", "fast_lora": True, "fp8": True, "epochs": 3.0, **overrides})
+
+
 def llama1b_full(**overrides) -> TuneConfig:
     """A 1.1B Llama (TinyLlama's shape: 22 layers of width 2048, 4 key/value heads), every weight trained in
     bf16, seq 2048, batch 4: lesson 4's optimizer measurements (the states of every parameter count)."""
@@ -161,13 +207,14 @@ PRESETS: dict[str, typing.Callable[..., TuneConfig]] = {
     "llama7b_qlora_lowmem": llama7b_qlora_lowmem, "llama7b_before": llama7b_before, "llama7b_after": llama7b_after,
     "llama1b_full": llama1b_full, "shakespeare": shakespeare, "llama3_8b_lora": llama3_8b_lora,
     "qwen25_7b_lora": qwen25_7b_lora, "qwen25_7b_qlora": qwen25_7b_qlora, "qwen3_8b_lora": qwen3_8b_lora,
-    "mistral7b_lora": mistral7b_lora, "gemma2_9b_lora": gemma2_9b_lora,
+    "mistral7b_lora": mistral7b_lora, "gemma2_9b_lora": gemma2_9b_lora, "article_before": article_before,
+    "article_checklist": article_checklist, "tunekit_recipe": tunekit_recipe,
 }
 
 
 GPU_PRESETS = ("llama7b_lora", "llama7b_qlora", "llama7b_qlora_lowmem", "llama7b_before", "llama7b_after",
                "llama1b_full", "llama3_8b_lora", "qwen25_7b_lora", "qwen25_7b_qlora", "qwen3_8b_lora",
-               "mistral7b_lora", "gemma2_9b_lora")
+               "mistral7b_lora", "gemma2_9b_lora", "article_before", "article_checklist", "tunekit_recipe")
 
 
 def get_preset(name: str, **overrides) -> TuneConfig:
