@@ -1,0 +1,50 @@
+"""Whole runs across GPU commands (tunekit_course/fullrun.py): a segment stopped by SIGTERM when its budget is
+spent, resumed by the next until the run is done; the result adds up the segments' wall-clock."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tunekit_course import fullrun
+
+ARGS = ["--preset", "tiny", "--max-steps", "30", "--max-length", "64", "--batch-size", "2", "--save-every", "0",
+        "--log-every", "1"]
+
+
+def test_a_run_stopped_by_its_budget_is_resumed_and_its_segments_added_up(tmp_path, capsys):
+    folder = tmp_path / "run"
+    first = fullrun.run_segment(folder, ARGS, budget_s=0, poll_s=0.05)  # stopped after its first logged step
+    assert first["stopped"] and not first["finished"] and not first["resumed"]
+    assert first["first_step"] == 1 and first["last_step"] < 30
+    with pytest.raises(ValueError, match="has not finished"):
+        fullrun.result("l5_test", folder)
+    second = fullrun.run_segment(folder, ARGS, budget_s=3600)
+    assert second["resumed"] and second["finished"] and not second["stopped"]
+    assert second["first_step"] == first["last_step"] + 1 and second["last_step"] == 30
+    assert fullrun.run_segment(folder, ARGS, budget_s=3600) == {}  # done: not run again
+    r = fullrun.result("l5_test", folder)
+    assert r["steps"] == 30 and len(r["segments"]) == 2
+    assert r["wall_s"] == pytest.approx(first["wall_s"] + second["wall_s"], abs=0.11)
+    assert r["tokens_per_s"] > 0 and r["config"]["preset"] == "tiny"
+    assert json.loads((folder / "segments.json").read_text()) == [first, second]
+
+
+def test_steady_tokens_per_s_leaves_out_each_segment_s_first_step():
+    rows = [{"step": 1, "tokens": 100, "elapsed_s": 10.0}, {"step": 2, "tokens": 200, "elapsed_s": 11.0},
+            {"step": 3, "tokens": 300, "elapsed_s": 30.0},  # the first of a resumed segment: its start counted in
+            {"step": 4, "tokens": 400, "elapsed_s": 31.0}]
+    assert fullrun.steady_tokens_per_s(rows, {1, 3}) == pytest.approx(200 / 2.0)
+
+
+def test_measure_saves_the_result_once_the_run_is_done(tmp_path, monkeypatch):
+    from tunekit_course import notebook
+
+    monkeypatch.setenv("TUNEKIT_SMOKE", "1")
+    monkeypatch.setattr(notebook, "RUNS", tmp_path)
+    args = ["--preset", "tiny", "--max-steps", "2", "--max-length", "64", "--batch-size", "2"]
+    assert fullrun.main(["l5_smoke", "3600", *args]) == 0
+    saved = json.loads((notebook.results_dir() / "l5_smoke.json").read_text())
+    assert saved["steps"] == 2 and saved["segments"][0]["finished"]
+    assert fullrun.main(["l5_smoke"]) == 2  # usage

@@ -1,0 +1,152 @@
+"""Whole runs measured across GPU commands (lesson 5): `tunekit train` in a run folder of its own, stopped with
+SIGTERM before a command's time runs out (the run finishes its step and writes a checkpoint, as on Ctrl-C) and
+resumed by the next command with `--resume`, until it is done.
+
+Each segment is one process, timed from its start to its exit (Python's start, tokenizing or reading the data
+back, building, compiling, the steps, checkpoints, held-out evaluations), and kept in the folder's
+`segments.json`. The run's wall-clock is their sum: the time between commands is not counted. Once the run is
+done, `result` makes one result file of it: the wall-clock, each segment, the held-out losses, and steady-state
+real tokens/s (the steps after the first of each segment, which compiles and warms up). Nothing is projected.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from tunekit.io import atomic_write_json
+from tunekit.stopping import read_metrics_file
+
+
+def _rows(folder: Path) -> list[dict]:
+    path = folder / "metrics.jsonl"
+    return read_metrics_file(path) if path.exists() else []
+
+
+def done(folder: Path) -> bool:
+    """Whether the run in `folder` finished (its summary is written last, after the final checkpoint)."""
+    return (folder / "summary.json").exists()
+
+
+def segments(folder: Path) -> list[dict]:
+    """The segments run so far in `folder` (`segments.json`), oldest first."""
+    path = Path(folder) / "segments.json"
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+def run_segment(folder: str | Path, args: list[str], budget_s: float, poll_s: float = 1.0) -> dict:
+    """One segment of the run `tunekit train ARGS` in `folder`: started, or resumed where the last segment
+    stopped; once `budget_s` seconds have passed and it has logged a step of its own, it is sent SIGTERM (it
+    finishes that step and writes a checkpoint). Streams its output, appends the segment to `segments.json` and
+    returns it. A finished run is not run again."""
+    folder = Path(folder)
+    if done(folder):
+        print(f"{folder.name}: finished already ({len(segments(folder))} segments)")
+        return {}
+    resume = (folder / "metrics.jsonl").exists()
+    cmd = [sys.executable, "-m", "tunekit.cli", "train", *map(str, args), "--out-dir", str(folder),
+           *(["--resume"] if resume else [])]
+    before = len(_rows(folder))
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stopped = threading.Event()
+
+    def watch():  # the budget spent and a step of this segment logged: stop at the end of the next step
+        while proc.poll() is None:
+            if time.perf_counter() - t0 >= budget_s and len(_rows(folder)) > before:
+                stopped.set()
+                proc.send_signal(signal.SIGTERM)
+                return
+            time.sleep(poll_s)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    for line in proc.stdout:
+        print(line, end="")
+    code = proc.wait()
+    wall = time.perf_counter() - t0
+    watcher.join()
+    rows = _rows(folder)
+    if code != 0 and not stopped.is_set():
+        raise RuntimeError(f"tunekit train in {folder} failed with exit code {code} (its output is above)")
+    segment = {"wall_s": round(wall, 1), "resumed": resume, "stopped": stopped.is_set(), "exit_code": code,
+               "first_step": rows[before]["step"] if len(rows) > before else None,
+               "last_step": rows[-1]["step"] if rows else None, "finished": done(folder),
+               "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    atomic_write_json(folder / "segments.json", [*segments(folder), segment])
+    print(f"{folder.name}: segment {len(segments(folder))} in {wall:,.0f} s, steps {segment['first_step']}-"
+          f"{segment['last_step']}" + (", run finished" if segment["finished"] else ", stopped: resume it next"))
+    return segment
+
+
+def steady_tokens_per_s(rows: list[dict], firsts: set[int]) -> float:
+    """Real tokens per second over the logged steps, leaving out each segment's first step (`firsts`: it
+    compiles and warms up): tokens and training time between consecutive rows, summed."""
+    tokens = seconds = 0.0
+    for prev, row in zip(rows, rows[1:]):
+        if row["step"] in firsts:
+            continue
+        tokens += row["tokens"] - prev["tokens"]
+        seconds += row["elapsed_s"] - prev["elapsed_s"]
+    return tokens / seconds if seconds > 0 else 0.0
+
+
+def result(name: str, folder: str | Path) -> dict:
+    """The result file of the finished run in `folder`: wall-clock added up over its segments, each segment, the
+    held-out losses (step, loss), steady-state real tokens/s, peak memory."""
+    from tunekit.config import TuneConfig
+    from tunekit.results import code_file, new_result
+
+    folder = Path(folder)
+    if not done(folder):
+        raise ValueError(f"{folder}: the run has not finished ({len(segments(folder))} segments so far); run "
+                         "another segment first")
+    segs, rows = segments(folder), _rows(folder)
+    summary = json.loads((folder / "summary.json").read_text())
+    cfg = TuneConfig(**json.loads((folder / "config.json").read_text()))
+    firsts = {s["first_step"] for s in segs if s["first_step"] is not None}
+    tps = steady_tokens_per_s(rows, firsts)
+    return new_result(
+        name, cfg, round(tps, 1), max(r["peak_mem_gb"] for r in rows),
+        call=f"fullrun.result({name!r}, {folder.name!r})", code_files=(code_file(__file__),), wall_s=round(sum(s["wall_s"] for s in segs), 1),
+        segments=segs, steps=summary["steps"], epochs_seen=summary.get("epochs_seen"),
+        eval_losses=summary.get("eval_losses"), eval_loss=summary.get("eval_loss"),
+        final_loss=summary.get("final_loss"), tokens_seen=summary.get("tokens_seen"),
+        packing=summary.get("packing"), weights=cfg.model or "random-init",
+        data=f"{cfg.data}: {cfg.epochs:g} epochs, whole; wall-clock summed over {len(segs)} segment(s) (the time "
+             "between them not counted); tokens/s counts real tokens over the steps after each segment's first")
+
+
+def measure(name: str, args: list[str], budget_s: float) -> dict | None:
+    """A segment of the whole run NAME (`tunekit train ARGS` in runs/full/NAME); once the run is done, its result
+    saved to this GPU's results folder (`notebook.save`) and returned, else None: run `measure` again, in the
+    next command, to go on."""
+    from tunekit_course import notebook
+
+    folder = notebook.RUNS / "full" / name
+    run_segment(folder, args, budget_s)
+    if not done(folder):
+        return None
+    r = result(name, folder)
+    notebook.save(r)
+    return r
+
+
+def main(argv: list[str]) -> int:
+    # python -m tunekit_course.fullrun NAME BUDGET_SECONDS TRAIN_ARGS...   one segment of the whole run NAME
+    if len(argv) < 3:
+        print("usage: python -m tunekit_course.fullrun NAME BUDGET_SECONDS TRAIN_ARGS...  (e.g. l5_before 480 "
+              "--preset article_before)", file=sys.stderr)
+        return 2
+    name, budget, *args = argv
+    return 0 if measure(name, args, float(budget)) else 3  # 3: not finished, resume in the next command
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
