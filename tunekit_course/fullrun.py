@@ -11,6 +11,7 @@ real tokens/s (the steps after the first of each segment, which compiles and war
 
 from __future__ import annotations
 
+import itertools
 import json
 import signal
 import subprocess
@@ -89,7 +90,7 @@ def steady_tokens_per_s(rows: list[dict], firsts: set[int]) -> float:
     """Real tokens per second over the logged steps, leaving out each segment's first step (`firsts`: it
     compiles and warms up): tokens and training time between consecutive rows, summed."""
     tokens = seconds = 0.0
-    for prev, row in zip(rows, rows[1:]):
+    for prev, row in itertools.pairwise(rows):
         if row["step"] in firsts:
             continue
         tokens += row["tokens"] - prev["tokens"]

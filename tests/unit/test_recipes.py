@@ -6,8 +6,15 @@ from __future__ import annotations
 
 from tunekit import config
 from tunekit.estimate import Setup, estimate_memory_for
-from tunekit.presets import (ARTICLE_ITEMS, GPU_PRESETS, PRESETS, article_before, article_checklist, llama7b_after,
-                             tunekit_recipe)
+from tunekit.presets import (
+    ARTICLE_ITEMS,
+    GPU_PRESETS,
+    PRESETS,
+    article_before,
+    article_checklist,
+    llama7b_after,
+    tunekit_recipe,
+)
 
 
 def changed(a, b) -> dict:
