@@ -252,14 +252,17 @@ def batch_plan(cfg: TuneConfig, world: int) -> TuneConfig:
 
 def run_length(cfg: TuneConfig, rows: int, world: int = 1, say=print) -> TuneConfig:
     """`cfg` with `max_steps` computed from `epochs` when that is set: optimizer steps that take `epochs`
-    passes over `rows` batch rows (samples, or packed rows), whole batches only, as the loader gives them.
+    passes over `rows` batch rows (samples, or packed rows), whole batches only, as the loader gives them;
+    `eval_every` -1 becomes one epoch's steps.
     On `world` processes each reads `rows // world` of them (`batching.EpochSampler`)."""
     if not cfg.epochs:
         return cfg
     per_epoch = rows // world // cfg.batch_size  # each rank's batches; the loader drops an incomplete last one
     steps = max(1, math.ceil(cfg.epochs * per_epoch / cfg.grad_accum))
     say(f"length: {cfg.epochs:g} epochs of {per_epoch} batches of {cfg.batch_size} -> {steps} optimizer steps")
-    return dataclasses.replace(cfg, max_steps=steps)
+    # eval_every -1: the held-out loss after each epoch's optimizer steps (and at the end)
+    every = max(1, per_epoch // cfg.grad_accum) if cfg.eval_every == -1 else cfg.eval_every
+    return dataclasses.replace(cfg, max_steps=steps, eval_every=every)
 
 
 def resolved_config(cfg: TuneConfig, device: str, dtype: torch.dtype) -> TuneConfig:

@@ -80,8 +80,7 @@ class TuneConfig:
     tie_embeddings: bool = False
     """Arch (random init only): the LM head is the input embedding table, as in Gemma (false: two tables)."""
     tokenizer: str = ""
-    """Hub name or local path of a tokenizer. Empty: `model`'s tokenizer, or (random init) a byte-level
-    BPE trained offline on the training data and cached."""
+    """Hub name or local path of a tokenizer. Empty: `model`'s, or (random init) a byte-level BPE trained offline."""
     tokenizer_vocab: int = 1024
     """Vocabulary size of the offline-trained BPE tokenizer (when `tokenizer` and `model` are empty)."""
     trust_remote_code: bool = False
@@ -106,8 +105,7 @@ class TuneConfig:
     """SDPA kernels in priority order: `auto` (cuDNN first on Hopper GPUs, else PyTorch's order), one of
     `cudnn`, `flash`, `efficient`, `math`, or a comma-separated list such as `cudnn,flash`."""
     grad_ckpt: bool = False
-    """Gradient checkpointing: recompute activations in backward. Saves most activation memory for
-    about a third more compute."""
+    """Gradient checkpointing: recompute activations in backward. Most activation memory, for ~1/3 more compute."""
     grad_ckpt_offload: bool = False
     """With `grad_ckpt`: keep each block's saved input in pinned CPU memory instead of on the GPU
     (layers x tokens x hidden x 2 bytes freed, for a copy each way)."""
@@ -245,7 +243,8 @@ class TuneConfig:
     """A held-out dataset (file or name, e.g. `gsm8k-test`), tokenized like `data`, for the same held-out loss;
     instead of `eval_split`."""
     eval_every: int = 0
-    """Steps between held-out evaluations (0: at the end only). Needs `eval_split` or `eval_data`."""
+    """Steps between held-out evaluations (0: at the end only; -1: after each epoch, with `epochs`). Needs
+    `eval_split` or `eval_data`."""
 
     # ---- logging and checkpoints -----------------------------------------------------------------
     log_every: int = 1
@@ -327,7 +326,8 @@ class TuneConfig:
         need(math.isfinite(self.epochs) and self.epochs >= 0, "epochs", "must be zero (use max_steps) or a positive number")
         need(math.isfinite(self.lr), "lr", "must be a finite number")
         need(0 <= self.eval_split < 1, "eval_split", "a fraction of the rows: at least 0, below 1")
-        need(self.eval_every >= 0, "eval_every", "must be zero (at the end only) or positive")
+        need(self.eval_every >= 0 or (self.eval_every == -1 and self.epochs > 0), "eval_every",
+             "must be zero (at the end only), positive (steps), or -1 (each epoch) with --epochs")
         need(self.eval_split > 0 or bool(self.eval_data) or not self.eval_every, "eval_every",
              "evaluates held-out rows: set --eval-split or --eval-data too")
         need(not (self.eval_split and self.eval_data), "eval_data", "holds out its own rows: drop --eval-split")

@@ -48,3 +48,15 @@ def test_measure_saves_the_result_once_the_run_is_done(tmp_path, monkeypatch):
     saved = json.loads((notebook.results_dir() / "l5_smoke.json").read_text())
     assert saved["steps"] == 2 and saved["segments"][0]["finished"]
     assert fullrun.main(["l5_smoke"]) == 2  # usage
+
+
+def test_eval_every_epoch_across_a_resume(tmp_path):
+    # --eval-every -1: the held-out loss after each epoch; the resumed segment keeps the same schedule
+    folder = tmp_path / "run"
+    args = ["--preset", "tiny", "--epochs", "2", "--eval-every", "-1", "--eval-split", "0.5", "--max-length", "64",
+            "--batch-size", "8", "--save-every", "0", "--data", "data/arith/test.jsonl"]
+    fullrun.run_segment(folder, args, budget_s=0, poll_s=0.05)
+    fullrun.run_segment(folder, args, budget_s=3600)
+    r = fullrun.result("l5_epochs", folder)
+    steps = [step for step, _ in r["eval_losses"]]
+    assert steps == [r["steps"] // 2, r["steps"]], r["eval_losses"]

@@ -257,3 +257,14 @@ def test_cpu_threads_auto_rule(monkeypatch):
     assert cpu_threads(tiny(cpu_threads=3)) == 3  # the field wins
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert cpu_threads(tiny()) == 0  # the environment already chose
+
+
+def test_eval_every_minus_one_is_each_epoch_and_needs_epochs():
+    from tunekit.build import run_length
+
+    cfg = TuneConfig(eval_every=-1, epochs=2.0, eval_split=0.1, batch_size=4, grad_accum=5)
+    cfg.validate()
+    run = run_length(cfg, rows=400, say=lambda *_: None)  # 100 batches an epoch, 20 optimizer steps
+    assert (run.max_steps, run.eval_every) == (40, 20)
+    with pytest.raises(ConfigError, match="eval_every.*-1 \\(each epoch\\) with --epochs"):
+        TuneConfig(eval_every=-1, eval_split=0.1).validate()

@@ -42,8 +42,9 @@ def test_the_before_is_a_plain_hf_peft_user_s_default_stack():
                                                                                          False, False)
 
 
-def test_tunekit_s_recipe_is_the_after_with_the_fused_lora_and_fp8_for_three_epochs():
-    assert changed(llama7b_after(), tunekit_recipe()) == {"fast_lora": True, "fp8": True, "epochs": 3.0}
+def test_tunekit_s_recipe_is_the_after_with_the_fused_lora_and_fp8_for_three_epochs_each_evaluated():
+    assert changed(llama7b_after(), tunekit_recipe()) == {"fast_lora": True, "fp8": True, "epochs": 3.0,
+                                                          "eval_every": -1}  # the held-out loss each epoch
 
 
 def test_each_recipe_is_a_valid_gpu_preset_that_fits_one_h200():
