@@ -151,3 +151,45 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+# ---- the waterfall: from the article's before to tunekit's recipe, one change a bar ---------------------------
+# (label, the fields the change sets); each bar keeps the changes before it. The first six are the article's
+# items (ending at article_checklist), the rest what the course adds (ending at tunekit_recipe's step).
+WATERFALL = [
+    ("+ offline tokenization", {"tokenize": "offline"}),
+    ("+ the article's DataLoader settings", {"num_workers": 2, "pin_memory": True, "prefetch_factor": 4,
+                                             "persistent_workers": True}),
+    ("+ FlashAttention (SDPA's flash kernel)", {"sdpa_backend": "flash"}),
+    ("+ TF32", {"tf32": True}),
+    ("+ 8-bit AdamW", {"optimizer": "adamw8bit"}),
+    ("+ torch.compile: the article's checklist", {"compile": "model"}),
+    ("+ packed rows", {"packing": "auto"}),
+    ("bf16 LoRA instead of QLoRA", {"method": "lora", "peft_kbit_prepare": False}),
+    ("no checkpointing: micro-batch 4, no accumulation", {"grad_ckpt": False, "batch_size": 4, "grad_accum": 1}),
+    ("+ the chunked loss", {"loss": "chunked"}),
+    ("no fp32 cast of the adapters' input", {"lora_input_cast": False}),
+    ("fused AdamW instead of 8-bit", {"optimizer": "adamw"}),
+    ("regional compile instead of whole-model", {"compile": "regional"}),
+    ("tunekit's attention choice (cuDNN first on Hopper)", {"attention": "auto", "sdpa_backend": "auto"}),
+    ("+ the fused LoRA", {"fast_lora": True}),
+    ("+ FP8 base weights: tunekit's recipe", {"fp8": True}),
+]
+
+
+def waterfall_configs() -> list[tuple[str, str, dict]]:
+    """(name, label, the config's fields) of each bar: `article_before`'s fields, then each change of
+    `WATERFALL` added to the ones before it; each validated. The last two of the article's items and of the
+    course's end at `article_checklist` and `tunekit_recipe` field for field, but for the whole runs' length
+    and evaluation schedule (tests/unit/test_recipes.py)."""
+    from tunekit import config
+    from tunekit.presets import article_before
+
+    fields: dict = {}
+    bars = [("l5w_00", "the article's before", config.config_dict(article_before()))]
+    for i, (label, change) in enumerate(WATERFALL, 1):
+        fields = {**fields, **change}
+        cfg = article_before(**fields)
+        cfg.validate()  # every bar is a config that runs
+        bars.append((f"l5w_{i:02d}", label, config.config_dict(cfg)))
+    return bars

@@ -44,7 +44,7 @@ def test_the_before_is_a_plain_hf_peft_user_s_default_stack():
 
 def test_tunekit_s_recipe_is_the_after_with_the_fused_lora_and_fp8_for_three_epochs_each_evaluated():
     assert changed(llama7b_after(), tunekit_recipe()) == {"fast_lora": True, "fp8": True, "epochs": 3.0,
-                                                          "eval_every": -1}  # the held-out loss each epoch
+                                                          "eval_every": -1, "prefetch_factor": 4}
 
 
 def test_each_recipe_is_a_valid_gpu_preset_that_fits_one_h200():
@@ -53,3 +53,20 @@ def test_each_recipe_is_a_valid_gpu_preset_that_fits_one_h200():
         cfg.validate()
         assert name in GPU_PRESETS and cfg.preset == name
         assert estimate_memory_for(Setup.of(cfg))["device_total"] < 140e9, name
+
+
+def test_the_waterfall_goes_from_the_before_to_the_checklist_to_tunekit_one_change_a_bar():
+    from tunekit_course.fullrun import WATERFALL, waterfall_configs
+
+    bars = waterfall_configs()
+    assert len(bars) == len(WATERFALL) + 1
+    for (_, _, before), (_, _, after), (_, change) in zip(bars, bars[1:], WATERFALL):
+        moved = {k: after[k] for k in before if before[k] != after[k]}
+        assert moved == change, (change, moved)  # each bar changes what its label says, and that alone
+    same = ("preset", "epochs", "eval_every")  # the whole runs' length and schedule: not the bars' business
+    by_label = {label: fields for _, label, fields in bars}
+    for name, fields in (("article_checklist", by_label["+ torch.compile: the article's checklist"]),
+                         ("tunekit_recipe", bars[-1][2])):
+        target = config.config_dict(PRESETS[name]())
+        assert {k: v for k, v in fields.items() if k not in same} == {k: v for k, v in target.items()
+                                                                         if k not in same}, name
