@@ -139,20 +139,6 @@ def measure(name: str, args: list[str], budget_s: float) -> dict | None:
     return r
 
 
-def main(argv: list[str]) -> int:
-    # python -m tunekit_course.fullrun NAME BUDGET_SECONDS TRAIN_ARGS...   one segment of the whole run NAME
-    if len(argv) < 3:
-        print("usage: python -m tunekit_course.fullrun NAME BUDGET_SECONDS TRAIN_ARGS...  (e.g. l5_before 480 "
-              "--preset article_before)", file=sys.stderr)
-        return 2
-    name, budget, *args = argv
-    return 0 if measure(name, args, float(budget)) else 3  # 3: not finished, resume in the next command
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
-
-
 # ---- the waterfall: from the article's before to tunekit's recipe, one change a bar ---------------------------
 # (label, the fields the change sets); each bar keeps the changes before it. The first six are the article's
 # items (ending at article_checklist), the rest what the course adds (ending at tunekit_recipe's step).
@@ -193,3 +179,76 @@ def waterfall_configs() -> list[tuple[str, str, dict]]:
         cfg.validate()  # every bar is a config that runs
         bars.append((f"l5w_{i:02d}", label, config.config_dict(cfg)))
     return bars
+
+
+# ---- lesson 5's whole runs --------------------------------------------------------------------------------
+
+SMOKE = ["--preset", "tiny", "--max-steps", "6", "--max-length", "64", "--batch-size", "2", "--save-every", "0"]
+
+
+def lesson5_runs(gpu: bool) -> list[tuple[str, list[str], dict]]:
+    """Lesson 5's whole runs, in the order they are measured: (name, `tunekit train` arguments, environment):
+    the article's before and its checklist (one epoch each), tunekit's recipe (three epochs), and tunekit's
+    recipe on a 24 GB card (TUNEKIT_MEMORY_GB=24 caps the process; the speeds are this GPU's). The last drops
+    FP8, whose two weight copies (one byte a weight each, ~13 GB at 7B) do not fit there, and is fitted at
+    measure time (`notebook.fit_here`). In smoke mode: two tiny runs."""
+    if not gpu:
+        return [("l5_smoke_a", SMOKE, {}), ("l5_smoke_b", [*SMOKE, "--lr", "1e-3"], {})]
+    return [("l5_article_before", ["--preset", "article_before"], {}),
+            ("l5_article_checklist", ["--preset", "article_checklist"], {}),
+            ("l5_tunekit", ["--preset", "tunekit_recipe"], {}),
+            ("l5_tunekit_24gb", ["--preset", "tunekit_recipe", "--fp8", "false"], {"TUNEKIT_MEMORY_GB": "24"})]
+
+
+def measure_runs(budget_s: float, runs: list[tuple[str, list[str], dict]] | None = None) -> list[str]:
+    """Go on with lesson 5's whole runs for `budget_s` seconds: each unfinished run in turn gets a segment with
+    the time left, until the budget is spent (the run under way then stops at a step's end and checkpoints) or
+    every run is done. Run it again, in the next command, to go on. Returns the names of the runs done."""
+    import os
+
+    from tunekit_course import notebook
+
+    t0 = time.perf_counter()
+    runs = lesson5_runs(notebook.on_gpu()) if runs is None else runs
+    for name, args, env in runs:
+        folder = notebook.RUNS / "full" / name
+        left = budget_s - (time.perf_counter() - t0)
+        if done(folder):
+            continue
+        if left <= 0:
+            break
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # the child process inherits it; fit_here reads TUNEKIT_MEMORY_GB too
+        try:
+            measure(name, notebook.fit_here(["train", *args])[1:], left)
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    finished = [name for name, _, _ in runs if done(notebook.RUNS / "full" / name)]
+    print(f"whole runs done: {', '.join(finished) or 'none yet'}; "
+          + ("all done" if len(finished) == len(runs) else "run this again to go on"))
+    return finished
+
+
+def main(argv: list[str]) -> int:
+    # python -m tunekit_course.fullrun BUDGET_SECONDS                      lesson 5's whole runs, going on
+    # python -m tunekit_course.fullrun NAME BUDGET_SECONDS TRAIN_ARGS...   one segment of the whole run NAME
+    if len(argv) == 1 and argv[0].replace(".", "", 1).isdigit():
+        return 0 if len(measure_runs(float(argv[0]))) == len(lesson5_runs(_gpu())) else 3
+    if len(argv) < 3:
+        print("usage: python -m tunekit_course.fullrun BUDGET_SECONDS  (lesson 5's runs), or\n"
+              "       python -m tunekit_course.fullrun NAME BUDGET_SECONDS TRAIN_ARGS...  (e.g. l5_before 480 "
+              "--preset article_before)", file=sys.stderr)
+        return 2
+    name, budget, *args = argv
+    return 0 if measure(name, args, float(budget)) else 3  # 3: not finished, resume in the next command
+
+
+def _gpu() -> bool:
+    from tunekit_course import notebook
+
+    return notebook.on_gpu()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -38,18 +38,6 @@ def test_steady_tokens_per_s_leaves_out_each_segment_s_first_step():
     assert fullrun.steady_tokens_per_s(rows, {1, 3}) == pytest.approx(200 / 2.0)
 
 
-def test_measure_saves_the_result_once_the_run_is_done(tmp_path, monkeypatch):
-    from tunekit_course import notebook
-
-    monkeypatch.setenv("TUNEKIT_SMOKE", "1")
-    monkeypatch.setattr(notebook, "RUNS", tmp_path)
-    args = ["--preset", "tiny", "--max-steps", "2", "--max-length", "64", "--batch-size", "2"]
-    assert fullrun.main(["l5_smoke", "3600", *args]) == 0
-    saved = json.loads((notebook.results_dir() / "l5_smoke.json").read_text())
-    assert saved["steps"] == 2 and saved["segments"][0]["finished"]
-    assert fullrun.main(["l5_smoke"]) == 2  # usage
-
-
 def test_eval_every_epoch_across_a_resume(tmp_path):
     # --eval-every -1: the held-out loss after each epoch; the resumed segment keeps the same schedule
     folder = tmp_path / "run"
@@ -60,3 +48,23 @@ def test_eval_every_epoch_across_a_resume(tmp_path):
     r = fullrun.result("l5_epochs", folder)
     steps = [step for step, _ in r["eval_losses"]]
     assert steps == [r["steps"] // 2, r["steps"]], r["eval_losses"]
+
+
+def test_lesson5_runs_go_on_where_the_last_command_stopped(tmp_path, monkeypatch):
+    from tunekit_course import notebook
+
+    monkeypatch.setenv("TUNEKIT_SMOKE", "1")
+    monkeypatch.setattr(notebook, "RUNS", tmp_path)
+    runs = fullrun.lesson5_runs(False)
+    assert fullrun.measure_runs(0, runs) == []  # no time: nothing started
+    assert fullrun.main(["3600"]) == 0  # both smoke runs, whole
+    assert [json.loads((notebook.results_dir() / f"{n}.json").read_text())["steps"] for n, _, _ in runs] == [6, 6]
+    assert fullrun.measure_runs(3600, runs) == ["l5_smoke_a", "l5_smoke_b"]  # done: nothing run again
+    assert fullrun.main(["l5_smoke"]) == 2  # neither a budget nor a run with its arguments: the usage
+
+
+def test_lesson5_runs_on_a_gpu_are_the_three_recipes_and_a_24_gb_card():
+    runs = {name: (args, env) for name, args, env in fullrun.lesson5_runs(True)}
+    assert [args[1] for args, _ in runs.values()] == ["article_before", "article_checklist", "tunekit_recipe",
+                                                      "tunekit_recipe"]
+    assert runs["l5_tunekit_24gb"][1] == {"TUNEKIT_MEMORY_GB": "24"}
