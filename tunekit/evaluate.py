@@ -152,6 +152,22 @@ def row_baselines(vocab_size: int, train_rows, heldout_rows, k: float = UNIGRAM_
     return _baselines(vocab_size, _pairs_of_rows(train_rows, vocab_size), _pairs_of_rows(heldout_rows, vocab_size), k)
 
 
+def run_baselines(cfg) -> dict:
+    """`row_baselines` of a run's config: its tokenizer, training rows and held-out rows (`eval_data` or
+    `eval_split`) as its training prepared them, packed if it packs (tokenized offline here either way: the same
+    tokens; nothing is written into the run's folder)."""
+    import dataclasses
+
+    from tunekit.prepare import prepare, split_eval
+
+    offline = dataclasses.replace(cfg, tokenize="offline")
+    tokenizer, ds, stats = prepare(offline, verbose=False, commit=False)
+    train, held = split_eval(ds, offline, tokenizer, stats)
+    if held is None:
+        raise ValueError("the config holds nothing out (no eval_data, eval_split 0): no held-out loss to compare")
+    return row_baselines(len(tokenizer), train, held)
+
+
 # ---- GSM8K exact match -------------------------------------------------------------------------
 
 _NUMBER = r"[-+]?\$?\s?[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\$?\.\d+"

@@ -100,7 +100,8 @@ def steady_tokens_per_s(rows: list[dict], firsts: set[int]) -> float:
 
 def result(name: str, folder: str | Path) -> dict:
     """The result file of the finished run in `folder`: wall-clock added up over its segments, each segment, the
-    held-out losses (step, loss), steady-state real tokens/s, peak memory."""
+    held-out losses (step, loss) beside their baselines (`evaluate.run_baselines`), steady-state real tokens/s,
+    peak memory."""
     from tunekit.config import TuneConfig
     from tunekit.results import code_file, new_result
 
@@ -113,12 +114,16 @@ def result(name: str, folder: str | Path) -> dict:
     cfg = TuneConfig(**json.loads((folder / "config.json").read_text()))
     firsts = {s["first_step"] for s in segs if s["first_step"] is not None}
     tps = steady_tokens_per_s(rows, firsts)
+    from tunekit.evaluate import run_baselines
+
+    # what the held-out loss means: uniform, unigram and bigram cross-entropy on the same held-out targets
+    baselines = run_baselines(cfg) if (cfg.eval_data or cfg.eval_split) else None
     return new_result(
         name, cfg, round(tps, 1), max(r["peak_mem_gb"] for r in rows),
         call=f"fullrun.result({name!r}, {folder.name!r})", code_files=(code_file(__file__),), wall_s=round(sum(s["wall_s"] for s in segs), 1),
         segments=segs, steps=summary["steps"], epochs_seen=summary.get("epochs_seen"),
         eval_losses=summary.get("eval_losses"), eval_loss=summary.get("eval_loss"),
-        final_loss=summary.get("final_loss"), tokens_seen=summary.get("tokens_seen"),
+        final_loss=summary.get("final_loss"), baselines=baselines, tokens_seen=summary.get("tokens_seen"),
         packing=summary.get("packing"), weights=cfg.model or "random-init",
         data=f"{cfg.data}: {cfg.epochs:g} epochs, whole; wall-clock summed over {len(segs)} segment(s) (the time "
              "between them not counted); tokens/s counts real tokens over the steps after each segment's first")

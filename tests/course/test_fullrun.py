@@ -48,6 +48,8 @@ def test_eval_every_epoch_across_a_resume(tmp_path):
     r = fullrun.result("l5_epochs", folder)
     steps = [step for step, _ in r["eval_losses"]]
     assert steps == [r["steps"] // 2, r["steps"]], r["eval_losses"]
+    b = r["baselines"]  # on the run's own held-out targets, beside its losses
+    assert b["uniform"] > b["unigram"] > b["bigram"] > 0 and b["heldout_tokens"] > 0
 
 
 def test_lesson5_runs_go_on_where_the_last_command_stopped(tmp_path, monkeypatch):

@@ -186,3 +186,14 @@ def test_batched_generation_is_export_generate(tiny_run):
     assert r["n"] == 1 and r["rows"][0]["reference"] == "4"
     with pytest.raises(DataError, match="record 1: a GSM8K record needs text fields"):
         ev.gsm8k_accuracy((model, tokenizer), [{"prompt": "x"}])
+
+
+def test_run_baselines_score_the_run_s_own_held_out_rows(tmp_path):
+    from tunekit.presets import tiny
+
+    cfg = tiny(out_dir=str(tmp_path / "run"), eval_split=0.2, max_length=64)
+    b = ev.run_baselines(cfg)
+    assert b["uniform"] == pytest.approx(math.log(b["vocab_size"])) and b["unigram"] < b["uniform"]
+    assert b["heldout_tokens"] > 0 and not (tmp_path / "run").exists()  # nothing written into the run's folder
+    with pytest.raises(ValueError, match="holds nothing out"):
+        ev.run_baselines(tiny(out_dir=str(tmp_path / "run")))
