@@ -205,10 +205,13 @@ def lesson5_runs(gpu: bool) -> list[tuple[str, list[str], dict]]:
             ("l5_tunekit_24gb", ["--preset", "tunekit_recipe", "--fp8", "false"], {"TUNEKIT_MEMORY_GB": "24"})]
 
 
-def measure_runs(budget_s: float, runs: list[tuple[str, list[str], dict]] | None = None) -> list[str]:
+def measure_runs(budget_s: float, runs: list[tuple[str, list[str], dict]] | None = None,
+                 least_s: float = 120) -> list[str]:
     """Go on with lesson 5's whole runs for `budget_s` seconds: each unfinished run in turn gets a segment with
     the time left, until the budget is spent (the run under way then stops at a step's end and checkpoints) or
-    every run is done. Run it again, in the next command, to go on. Returns the names of the runs done."""
+    every run is done; a run is not started or resumed with less than `least_s` left (starting a 7B run takes
+    a minute before its first step). Run it again, in the next command, to go on. Returns the names of the runs
+    done."""
     import os
 
     from tunekit_course import notebook
@@ -220,7 +223,7 @@ def measure_runs(budget_s: float, runs: list[tuple[str, list[str], dict]] | None
         left = budget_s - (time.perf_counter() - t0)
         if done(folder):
             continue
-        if left <= 0:
+        if left < least_s:
             break
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)  # the child process inherits it; fit_here reads TUNEKIT_MEMORY_GB too
@@ -239,7 +242,8 @@ def main(argv: list[str]) -> int:
     # python -m tunekit_course.fullrun BUDGET_SECONDS                      lesson 5's whole runs, going on
     # python -m tunekit_course.fullrun NAME BUDGET_SECONDS TRAIN_ARGS...   one segment of the whole run NAME
     if len(argv) == 1 and argv[0].replace(".", "", 1).isdigit():
-        return 0 if len(measure_runs(float(argv[0]))) == len(lesson5_runs(_gpu())) else 3
+        return 0 if len(measure_runs(float(argv[0]), least_s=120 if _gpu() else 0)) == len(lesson5_runs(_gpu())) \
+            else 3
     if len(argv) < 3:
         print("usage: python -m tunekit_course.fullrun BUDGET_SECONDS  (lesson 5's runs), or\n"
               "       python -m tunekit_course.fullrun NAME BUDGET_SECONDS TRAIN_ARGS...  (e.g. l5_before 480 "
