@@ -68,8 +68,10 @@ def run_segment(folder: str | Path, args: list[str], budget_s: float, poll_s: fl
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
+    from tunekit_course.notebook import tidy
+
     for line in proc.stdout:
-        print(line, end="")
+        print(tidy(line), end="")  # as the lessons print a command's output: no folder of this machine
     code = proc.wait()
     wall = time.perf_counter() - t0
     watcher.join()
@@ -129,13 +131,20 @@ def result(name: str, folder: str | Path) -> dict:
              "between them not counted); tokens/s counts real tokens over the steps after each segment's first")
 
 
+def run_folder(name: str) -> Path:
+    """The folder of the whole run NAME: runs/full/NAME."""
+    from tunekit_course import notebook
+
+    return notebook.RUNS / "full" / name
+
+
 def measure(name: str, args: list[str], budget_s: float) -> dict | None:
     """A segment of the whole run NAME (`tunekit train ARGS` in runs/full/NAME); once the run is done, its result
     saved to this GPU's results folder (`notebook.save`) and returned, else None: run `measure` again, in the
     next command, to go on."""
     from tunekit_course import notebook
 
-    folder = notebook.RUNS / "full" / name
+    folder = run_folder(name)
     run_segment(folder, args, budget_s)
     if not done(folder):
         return None
@@ -213,26 +222,21 @@ def measure_runs(budget_s: float, runs: list[tuple[str, list[str], dict]] | None
     a minute before its first step). Run it again, in the next command, to go on. Returns the names of the runs
     done."""
     import os
+    from unittest import mock
 
     from tunekit_course import notebook
 
     t0 = time.perf_counter()
     runs = lesson5_runs(notebook.on_gpu()) if runs is None else runs
     for name, args, env in runs:
-        folder = notebook.RUNS / "full" / name
         left = budget_s - (time.perf_counter() - t0)
-        if done(folder):
+        if done(run_folder(name)):
             continue
         if left < least_s:
             break
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)  # the child process inherits it; fit_here reads TUNEKIT_MEMORY_GB too
-        try:
+        with mock.patch.dict(os.environ, env):  # the child inherits it; fit_here reads TUNEKIT_MEMORY_GB too
             measure(name, notebook.fit_here(["train", *args])[1:], left)
-        finally:
-            for k, v in saved.items():
-                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    finished = [name for name, _, _ in runs if done(notebook.RUNS / "full" / name)]
+    finished = [name for name, _, _ in runs if done(run_folder(name))]
     print(f"whole runs done: {', '.join(finished) or 'none yet'}; "
           + ("all done" if len(finished) == len(runs) else "run this again to go on"))
     return finished
