@@ -341,8 +341,9 @@ def open_run(run_dir: Path, cfg: TuneConfig, resume: bool, overwrite: bool, allo
 def derived(field: str, saved: dict, new: dict) -> bool:
     """Whether a difference in `field` between a run's saved config and the one resuming it is only what the
     run resolved: `packing: auto` became what the data decided, `max_steps` was computed from `epochs` and
-    `eval_every: -1` became an epoch's steps (all from the data and max_length, which are compared). Runs saved before config.json recorded resolved values
-    say `auto` for device and dtype: whatever that resolved to then passes."""
+    `eval_every: -1` became an epoch's steps (all from the data and max_length, which are compared). Runs
+    saved before config.json recorded resolved values say `auto` for device and dtype: whatever that resolved
+    to then passes."""
     if field == "packing":
         return new[field] == "auto"
     if field == "max_steps":

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from tunekit.activations import head_widths, linear_shapes
+
 # Dense bf16 tensor-core peaks from vendor datasheets (FLOP/s), matched by substring of the device name.
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "L4": 121e12, "A10": 125e12,
              "RTX 4090": 165e12, "RTX 3090": 71e12, "A6000": 155e12}
@@ -32,8 +34,6 @@ def flops_per_token(hidden: int, layers: int, heads: int, kv_heads: int, interme
     (LoRA, QLoRA) only input gradients (1x forward) — so a LoRA step needs 2/3 the FLOPs of a full one.
     Attention has no weights: its backward is 2x forward either way. `head_dim` 0: hidden / heads (Gemma's
     heads are wider)."""
-    from tunekit.activations import head_widths, linear_shapes
-
     shapes = linear_shapes(hidden, heads, kv_heads, intermediate, head_dim)
     matmul = layers * sum(i * o for i, o in shapes.values()) + hidden * vocab
     attn = layers * 2 * seq * head_widths(hidden, heads, kv_heads, head_dim)[0]
