@@ -88,16 +88,30 @@ def run_segment(folder: str | Path, args: list[str], budget_s: float, poll_s: fl
     return segment
 
 
+def _steady_rows(rows: list[dict], firsts: set[int]) -> list[tuple[dict, dict]]:
+    # (previous row, row) for each logged row but each segment's first (it compiles and warms up)
+    return [(prev, row) for prev, row in itertools.pairwise(rows) if row["step"] not in firsts]
+
+
 def steady_tokens_per_s(rows: list[dict], firsts: set[int]) -> float:
-    """Real tokens per second over the logged steps, leaving out each segment's first step (`firsts`: it
-    compiles and warms up): tokens and training time between consecutive rows, summed."""
-    tokens = seconds = 0.0
-    for prev, row in itertools.pairwise(rows):
-        if row["step"] in firsts:
-            continue
-        tokens += row["tokens"] - prev["tokens"]
-        seconds += row["elapsed_s"] - prev["elapsed_s"]
+    """Real tokens per second of the training steps, leaving out each segment's first step (`firsts`: it
+    compiles and warms up): the tokens between consecutive rows over the steps' own time (each row's tokens/s
+    is over its steps alone, without the held-out evaluations, which the wall-clock counts)."""
+    pairs = _steady_rows(rows, firsts)
+    tokens = sum(row["tokens"] - prev["tokens"] for prev, row in pairs)
+    seconds = sum((row["tokens"] - prev["tokens"]) / row["tok_per_s"] for prev, row in pairs if row["tok_per_s"])
     return tokens / seconds if seconds > 0 else 0.0
+
+
+def _derived(rows: list[dict], segs: list[dict]) -> dict:
+    """What a run's logged rows give: steady tokens/s, the 10th-90th percentile of the rows' tokens/s (the
+    spread within the run), and the curve the lesson draws ([step, loss, tokens/s, seconds since the
+    segment's start], one a logged row)."""
+    firsts = {s["first_step"] for s in segs if s["first_step"] is not None}
+    per = sorted(row["tok_per_s"] for _, row in _steady_rows(rows, firsts))
+    return {"tokens_per_s": round(steady_tokens_per_s(rows, firsts), 1),
+            "tok_per_s_p10_p90": [per[len(per) // 10], per[9 * len(per) // 10]] if per else None,
+            "curve": [[r["step"], round(r["loss"], 4), r["tok_per_s"], r["elapsed_s"]] for r in rows]}
 
 
 def result(name: str, folder: str | Path) -> dict:
@@ -114,21 +128,52 @@ def result(name: str, folder: str | Path) -> dict:
     segs, rows = segments(folder), _rows(folder)
     summary = json.loads((folder / "summary.json").read_text())
     cfg = TuneConfig(**json.loads((folder / "config.json").read_text()))
-    firsts = {s["first_step"] for s in segs if s["first_step"] is not None}
-    tps = steady_tokens_per_s(rows, firsts)
+    derived = _derived(rows, segs)
     from tunekit.evaluate import run_baselines
 
     # what the held-out loss means: uniform, unigram and bigram cross-entropy on the same held-out targets
     baselines = run_baselines(cfg) if (cfg.eval_data or cfg.eval_split) else None
     return new_result(
-        name, cfg, round(tps, 1), max(r["peak_mem_gb"] for r in rows),
-        call=f"fullrun.result({name!r}, {folder.name!r})", code_files=(code_file(__file__),), wall_s=round(sum(s["wall_s"] for s in segs), 1),
+        name, cfg, derived.pop("tokens_per_s"), max(r["peak_mem_gb"] for r in rows),
+        call=f"fullrun.result({name!r}, {folder.name!r})", code_files=(code_file(__file__),),
+        wall_s=round(sum(s["wall_s"] for s in segs), 1),
         segments=segs, steps=summary["steps"], epochs_seen=summary.get("epochs_seen"),
         eval_losses=summary.get("eval_losses"), eval_loss=summary.get("eval_loss"),
         final_loss=summary.get("final_loss"), baselines=baselines, tokens_seen=summary.get("tokens_seen"),
         packing=summary.get("packing"), weights=cfg.model or "random-init",
         data=f"{cfg.data}: {cfg.epochs:g} epochs, whole; wall-clock summed over {len(segs)} segment(s) (the time "
-             "between them not counted); tokens/s counts real tokens over the steps after each segment's first")
+             "between them not counted); tokens/s counts real tokens over the steps after each segment's first",
+        **derived)
+
+
+def rederive(folder: str | Path, header: dict, name: str | None = None) -> dict:
+    """The result of the run in `folder`, brought back from the GPU machine, with the fields its logged rows give
+    (`_derived`) computed again by this code: the measured part (GPU, versions, commit, date, wall-clock, losses)
+    is `header`, the result the GPU machine wrote for this run. A run stopped before its end (its machine given
+    back between commands, so it could not be resumed) has none: `header` is then a result of the same command
+    or image, `name` names the run, and the file says `"whole": false` with the steps it reached. Records what
+    was derived here and by which commit."""
+    from tunekit.results import git_state
+
+    folder = Path(folder)
+    segs, rows = segments(folder), _rows(folder)
+    whole = done(folder)
+    r = {**header, **_derived(rows, segs)}
+    if not whole:  # nothing of the header's own run but its machine's description
+        evals = [[row["step"], row["eval_loss"]] for row in rows if "eval_loss" in row]
+        r.update(name=name or folder.name, whole=False, steps=rows[-1]["step"], segments=segs,
+                 wall_s=round(sum(s["wall_s"] for s in segs), 1), eval_losses=evals,
+                 eval_loss=evals[-1][1] if evals else None, final_loss=rows[-1]["loss"],
+                 tokens_seen=rows[-1]["tokens"], peak_memory_gb=max(row["peak_mem_gb"] for row in rows),
+                 config=json.loads((folder / "config.json").read_text()),
+                 date=segs[-1]["date"] if segs else header["date"],
+                 data=f"stopped at step {rows[-1]['step']}: its machine was given back before the next command, "
+                      "so it could not be resumed; tokens/s and the curve are of the steps it ran")
+        r["preset"] = r["config"].get("preset", r["preset"])
+    r["derived"] = {"fields": ["tokens_per_s", "tok_per_s_p10_p90", "curve"], "commit": git_state()[0],
+                    "call": f"fullrun.rederive({folder.name!r}, <{header['name']}>)",
+                    **({} if whole else {"header_from": header["name"]})}
+    return r
 
 
 def run_folder(name: str) -> Path:
@@ -245,6 +290,7 @@ def measure_runs(budget_s: float, runs: list[tuple[str, list[str], dict]] | None
 def main(argv: list[str]) -> int:
     # python -m tunekit_course.fullrun BUDGET_SECONDS                      lesson 5's whole runs, going on
     # python -m tunekit_course.fullrun NAME BUDGET_SECONDS TRAIN_ARGS...   one segment of the whole run NAME
+    # python -m tunekit_course.fullrun --rederive FOLDER HEADER.json OUT.json [NAME]   a run brought back
     if len(argv) == 1 and argv[0].replace(".", "", 1).isdigit():
         return 0 if len(measure_runs(float(argv[0]), least_s=120 if _gpu() else 0)) == len(lesson5_runs(_gpu())) \
             else 3
@@ -253,6 +299,12 @@ def main(argv: list[str]) -> int:
               "       python -m tunekit_course.fullrun NAME BUDGET_SECONDS TRAIN_ARGS...  (e.g. l5_before 480 "
               "--preset article_before)", file=sys.stderr)
         return 2
+    if argv and argv[0] == "--rederive":  # --rederive FOLDER HEADER.json OUT.json [NAME]
+        folder, header, out, *name = argv[1:]
+        from tunekit.results import save_result
+
+        print(save_result(rederive(folder, json.loads(Path(header).read_text()), *name), out))
+        return 0
     name, budget, *args = argv
     return 0 if measure(name, args, float(budget)) else 3  # 3: not finished, resume in the next command
 

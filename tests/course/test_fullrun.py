@@ -31,11 +31,36 @@ def test_a_run_stopped_by_its_budget_is_resumed_and_its_segments_added_up(tmp_pa
     assert json.loads((folder / "segments.json").read_text()) == [first, second]
 
 
-def test_steady_tokens_per_s_leaves_out_each_segment_s_first_step():
-    rows = [{"step": 1, "tokens": 100, "elapsed_s": 10.0}, {"step": 2, "tokens": 200, "elapsed_s": 11.0},
-            {"step": 3, "tokens": 300, "elapsed_s": 30.0},  # the first of a resumed segment: its start counted in
-            {"step": 4, "tokens": 400, "elapsed_s": 31.0}]
-    assert fullrun.steady_tokens_per_s(rows, {1, 3}) == pytest.approx(200 / 2.0)
+def test_steady_tokens_per_s_leaves_out_each_segment_s_first_step_and_the_evaluations():
+    rows = [{"step": 1, "tokens": 100, "tok_per_s": 5.0, "elapsed_s": 20.0},
+            {"step": 2, "tokens": 200, "tok_per_s": 100.0, "elapsed_s": 21.0},
+            {"step": 3, "tokens": 300, "tok_per_s": 10.0, "elapsed_s": 40.0},  # a resumed segment's first
+            {"step": 4, "tokens": 400, "tok_per_s": 50.0, "elapsed_s": 52.0}]  # 10 s of held-out evaluation in it
+    # steps 2 and 4: 200 tokens in 1 s + 2 s of their own; step 4's evaluation is the wall-clock's, not the step's
+    assert fullrun.steady_tokens_per_s(rows, {1, 3}) == pytest.approx(200 / 3.0)
+
+
+def test_a_run_brought_back_is_derived_again_under_its_measured_header(tmp_path):
+    folder = tmp_path / "run"
+    fullrun.run_segment(folder, ARGS, budget_s=3600)
+    measured = fullrun.result("l5_test", folder)
+    header = {**measured, "gpu": "NVIDIA H200", "tokens_per_s": 1.0, "curve": None}  # as the GPU machine wrote it
+    r = fullrun.rederive(folder, header)
+    assert r["gpu"] == "NVIDIA H200" and r["date"] == measured["date"] and r["steps"] == 30
+    assert r["tokens_per_s"] == measured["tokens_per_s"] and len(r["curve"]) == 30
+    lo, hi = r["tok_per_s_p10_p90"]
+    assert 0 < lo <= hi and r["derived"]["fields"][0] == "tokens_per_s" and "header_from" not in r["derived"]
+
+
+def test_a_run_that_could_not_be_resumed_says_so(tmp_path):
+    folder = tmp_path / "stopped"
+    first = fullrun.run_segment(folder, ARGS, budget_s=0, poll_s=0.05)
+    header = {"name": "l5_other", "gpu": "NVIDIA H200", "date": "2026-12-02", "preset": "-",
+              "versions": {"torch": "2.11.0"}}
+    r = fullrun.rederive(folder, header, "l5_test_partial")
+    assert r["name"] == "l5_test_partial" and r["whole"] is False and r["steps"] == first["last_step"] < 30
+    assert r["derived"]["header_from"] == "l5_other" and r["preset"] == "tiny" and "stopped at step" in r["data"]
+    assert r["versions"] == {"torch": "2.11.0"} and r["segments"] == [first]
 
 
 def test_eval_every_epoch_across_a_resume(tmp_path):
