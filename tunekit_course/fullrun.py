@@ -146,6 +146,10 @@ def result(name: str, folder: str | Path) -> dict:
         **derived)
 
 
+def _samples(folder: Path) -> int:
+    return json.loads((folder / "data.json").read_text())["samples"]  # the samples of one epoch
+
+
 def rederive(folder: str | Path, header: dict, name: str | None = None) -> dict:
     """The result of the run in `folder`, brought back from the GPU machine, with the fields its logged rows give
     (`_derived`) computed again by this code: the measured part (GPU, versions, commit, date, wall-clock, losses)
@@ -164,7 +168,8 @@ def rederive(folder: str | Path, header: dict, name: str | None = None) -> dict:
         r.update(name=name or folder.name, whole=False, steps=rows[-1]["step"], segments=segs,
                  wall_s=round(sum(s["wall_s"] for s in segs), 1), eval_losses=evals,
                  eval_loss=evals[-1][1] if evals else None, final_loss=rows[-1]["loss"],
-                 tokens_seen=rows[-1]["tokens"], peak_memory_gb=max(row["peak_mem_gb"] for row in rows),
+                 tokens_seen=rows[-1]["tokens"], epochs_seen=round(rows[-1]["samples"] / _samples(folder), 4),
+                 peak_memory_gb=max(row["peak_mem_gb"] for row in rows),
                  config=json.loads((folder / "config.json").read_text()),
                  date=segs[-1]["date"] if segs else header["date"],
                  data=f"stopped at step {rows[-1]['step']}: its machine was given back before the next command, "

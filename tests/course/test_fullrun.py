@@ -61,6 +61,7 @@ def test_a_run_that_could_not_be_resumed_says_so(tmp_path):
     assert r["name"] == "l5_test_partial" and r["whole"] is False and r["steps"] == first["last_step"] < 30
     assert r["derived"]["header_from"] == "l5_other" and r["preset"] == "tiny" and "stopped at step" in r["data"]
     assert r["versions"] == {"torch": "2.11.0"} and r["segments"] == [first]
+    assert 0 < r["epochs_seen"] < 1
 
 
 def test_eval_every_epoch_across_a_resume(tmp_path):
