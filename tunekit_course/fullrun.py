@@ -41,11 +41,13 @@ def segments(folder: Path) -> list[dict]:
     return json.loads(path.read_text()) if path.exists() else []
 
 
-def run_segment(folder: str | Path, args: list[str], budget_s: float, poll_s: float = 1.0) -> dict:
+def run_segment(folder: str | Path, args: list[str], budget_s: float, poll_s: float = 1.0,
+                steps_s: float | None = None) -> dict:
     """One segment of the run `tunekit train ARGS` in `folder`: started, or resumed where the last segment
     stopped; once `budget_s` seconds have passed and it has logged a step of its own, it is sent SIGTERM (it
     finishes that step and writes a checkpoint). Streams its output, appends the segment to `segments.json` and
-    returns it. A finished run is not run again."""
+    returns it. A finished run is not run again. With `steps_s`, it is also stopped once its logged steps after
+    its first span that many seconds (a waterfall bar's steady steps)."""
     folder = Path(folder)
     if done(folder):
         print(f"{folder.name}: finished already ({len(segments(folder))} segments)")
@@ -60,7 +62,10 @@ def run_segment(folder: str | Path, args: list[str], budget_s: float, poll_s: fl
 
     def watch():  # the budget spent and a step of this segment logged: stop at the end of the next step
         while proc.poll() is None:
-            if time.perf_counter() - t0 >= budget_s and len(_rows(folder)) > before:
+            rows = _rows(folder)[before:]
+            spent = time.perf_counter() - t0 >= budget_s
+            steady = steps_s is not None and len(rows) > 1 and rows[-1]["elapsed_s"] - rows[0]["elapsed_s"] >= steps_s
+            if (spent or steady) and rows:
                 stopped.set()
                 proc.send_signal(signal.SIGTERM)
                 return
@@ -244,6 +249,72 @@ def waterfall_configs() -> list[tuple[str, str, dict]]:
         bars.append((f"l5w_{i:02d}", label, config.config_dict(cfg)))
     return bars
 
+def _flag(field: str, value) -> str:
+    return f"--{field.replace('_', '-')}={str(value).lower() if isinstance(value, bool) else value}"
+
+
+def waterfall_runs() -> list[tuple[str, str, list[str]]]:
+    """(name, label, `tunekit train` arguments) of each bar of `WATERFALL`: `--preset article_before` with the
+    fields of every change so far, no held-out evaluation (a fixed cost, the same for every bar) and no periodic
+    checkpoint."""
+    fields: dict = {}
+    runs = [("l5w_00", "the article's before", ["--preset", "article_before", "--eval-data=", "--save-every=0"])]
+    for i, (label, change) in enumerate(WATERFALL, 1):
+        fields = {**fields, **change}
+        runs.append((f"l5w_{i:02d}", label, [*runs[0][2], *(_flag(k, v) for k, v in fields.items())]))
+    return runs
+
+
+STEADY_S = 45.0  # seconds of a bar's steps after its first: 10-100+ steps, enough for a median and its spread
+
+
+def waterfall_bar(name: str, label: str, folder: str | Path) -> dict:
+    """The result of one bar, from its folder's rows (the GPU machine's own result: `notebook.save`): steady
+    real tokens/s of the steps after the first, their 10th-90th percentile, and the one-time cost apart (start,
+    data, build, compile: the first step's end on the run's clock)."""
+    from tunekit.config import TuneConfig
+    from tunekit.results import code_file, new_result
+
+    folder = Path(folder)
+    segs, rows = segments(folder), _rows(folder)
+    cfg = TuneConfig(**json.loads((folder / "config.json").read_text()))
+    derived = _derived(rows, segs)
+    return new_result(name, cfg, derived.pop("tokens_per_s"), max(r["peak_mem_gb"] for r in rows),
+                      call=f"fullrun.waterfall_bar({name!r}, {label!r}, {folder.name!r})",
+                      code_files=(code_file(__file__),), label=label, one_time_s=rows[0]["elapsed_s"],
+                      steps=len(rows), steady_s=round(rows[-1]["elapsed_s"] - rows[0]["elapsed_s"], 1),
+                      weights=cfg.model or "random-init", **derived)
+
+
+def measure_waterfall(budget_s: float, runs: list[tuple[str, str, list[str]]] | None = None,
+                      steps_s: float = STEADY_S, least_s: float = 150) -> list[str]:
+    """Go on with the waterfall's bars for `budget_s` seconds, each in a fresh folder (runs/full/NAME) and
+    stopped after `steps_s` seconds of steps beyond its first, its result saved to this GPU's results folder;
+    a bar is not started with less than `least_s` left. Run it again, in the next command, to go on (a bar
+    stopped by the budget before its steady time is measured again). Returns the names of the bars measured."""
+    import shutil
+
+    from tunekit_course import notebook
+
+    t0 = time.perf_counter()
+    runs = waterfall_runs() if runs is None else runs
+    for name, label, args in runs:
+        if (notebook.results_dir() / f"{name}.json").exists():
+            continue
+        left = budget_s - (time.perf_counter() - t0)
+        if left < least_s:
+            break
+        folder = run_folder(name)
+        shutil.rmtree(folder, ignore_errors=True)  # each bar from a fresh folder: its one-time costs whole
+        run_segment(folder, notebook.fit_here(["train", *args])[1:], left, steps_s=steps_s)
+        rows = _rows(folder)
+        if len(rows) > 1 and (done(folder) or rows[-1]["elapsed_s"] - rows[0]["elapsed_s"] >= steps_s):
+            notebook.save(waterfall_bar(name, label, folder))
+    measured = [name for name, _, _ in runs if (notebook.results_dir() / f"{name}.json").exists()]
+    print(f"waterfall bars measured: {len(measured)} of {len(runs)}"
+          + ("" if len(measured) == len(runs) else "; run this again to go on"))
+    return measured
+
 
 # ---- lesson 5's whole runs --------------------------------------------------------------------------------
 
@@ -295,6 +366,7 @@ def measure_runs(budget_s: float, runs: list[tuple[str, list[str], dict]] | None
 def main(argv: list[str]) -> int:
     # python -m tunekit_course.fullrun BUDGET_SECONDS                      lesson 5's whole runs, going on
     # python -m tunekit_course.fullrun NAME BUDGET_SECONDS TRAIN_ARGS...   one segment of the whole run NAME
+    # python -m tunekit_course.fullrun --waterfall BUDGET_SECONDS                the waterfall's bars, going on
     # python -m tunekit_course.fullrun --rederive FOLDER HEADER.json OUT.json [NAME]   a run brought back
     if len(argv) == 1 and argv[0].replace(".", "", 1).isdigit():
         return 0 if len(measure_runs(float(argv[0]), least_s=120 if _gpu() else 0)) == len(lesson5_runs(_gpu())) \
@@ -310,6 +382,9 @@ def main(argv: list[str]) -> int:
 
         print(save_result(rederive(folder, json.loads(Path(header).read_text()), *name), out))
         return 0
+    if argv and argv[0] == "--waterfall":  # --waterfall BUDGET_SECONDS
+        return 0 if len(measure_waterfall(float(argv[1]), least_s=150 if _gpu() else 0)) == len(waterfall_runs()) \
+            else 3
     name, budget, *args = argv
     return 0 if measure(name, args, float(budget)) else 3  # 3: not finished, resume in the next command
 
