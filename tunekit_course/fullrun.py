@@ -119,6 +119,14 @@ def _derived(rows: list[dict], segs: list[dict]) -> dict:
             "curve": [[r["step"], round(r["loss"], 4), r["tok_per_s"], r["elapsed_s"]] for r in rows]}
 
 
+def _samples(folder: Path) -> int:
+    return json.loads((folder / "data.json").read_text())["samples"]  # the samples of one epoch
+
+
+def _summary(folder: Path) -> dict:  # the run's last word: its timings (start, data, build, first step, ...)
+    return json.loads((folder / "summary.json").read_text())
+
+
 def result(name: str, folder: str | Path) -> dict:
     """The result file of the finished run in `folder`: wall-clock added up over its segments, each segment, the
     held-out losses (step, loss) beside their baselines (`evaluate.run_baselines`), steady-state real tokens/s,
@@ -131,7 +139,7 @@ def result(name: str, folder: str | Path) -> dict:
         raise ValueError(f"{folder}: the run has not finished ({len(segments(folder))} segments so far); run "
                          "another segment first")
     segs, rows = segments(folder), _rows(folder)
-    summary = json.loads((folder / "summary.json").read_text())
+    summary = _summary(folder)
     cfg = TuneConfig(**json.loads((folder / "config.json").read_text()))
     derived = _derived(rows, segs)
     from tunekit.evaluate import run_baselines
@@ -144,15 +152,11 @@ def result(name: str, folder: str | Path) -> dict:
         wall_s=round(sum(s["wall_s"] for s in segs), 1),
         segments=segs, steps=summary["steps"], epochs_seen=summary.get("epochs_seen"),
         eval_losses=summary.get("eval_losses"), eval_loss=summary.get("eval_loss"),
-        final_loss=summary.get("final_loss"), baselines=baselines, tokens_seen=summary.get("tokens_seen"),
+        final_loss=summary.get("final_loss"), timings=summary.get("timings"), baselines=baselines, tokens_seen=summary.get("tokens_seen"),
         packing=summary.get("packing"), weights=cfg.model or "random-init",
         data=f"{cfg.data}: {cfg.epochs:g} epochs, whole; wall-clock summed over {len(segs)} segment(s) (the time "
              "between them not counted); tokens/s counts real tokens over the steps after each segment's first",
         **derived)
-
-
-def _samples(folder: Path) -> int:
-    return json.loads((folder / "data.json").read_text())["samples"]  # the samples of one epoch
 
 
 def rederive(folder: str | Path, header: dict, name: str | None = None) -> dict:
@@ -167,7 +171,7 @@ def rederive(folder: str | Path, header: dict, name: str | None = None) -> dict:
     folder = Path(folder)
     segs, rows = segments(folder), _rows(folder)
     whole = done(folder)
-    r = {**header, **_derived(rows, segs)}
+    r = {**header, **_derived(rows, segs), "timings": _summary(folder).get("timings") if whole else None}
     if not whole:  # nothing of the header's own run but its machine's description
         evals = [[row["step"], row["eval_loss"]] for row in rows if "eval_loss" in row]
         r.update(name=name or folder.name, whole=False, steps=rows[-1]["step"], segments=segs,
@@ -364,35 +368,30 @@ def measure_runs(budget_s: float, runs: list[tuple[str, list[str], dict]] | None
 
 
 def main(argv: list[str]) -> int:
-    # python -m tunekit_course.fullrun BUDGET_SECONDS                      lesson 5's whole runs, going on
-    # python -m tunekit_course.fullrun NAME BUDGET_SECONDS TRAIN_ARGS...   one segment of the whole run NAME
-    # python -m tunekit_course.fullrun --waterfall BUDGET_SECONDS                the waterfall's bars, going on
+    # python -m tunekit_course.fullrun BUDGET_SECONDS                                  lesson 5's whole runs
+    # python -m tunekit_course.fullrun --waterfall BUDGET_SECONDS                      the waterfall's bars
+    # python -m tunekit_course.fullrun NAME BUDGET_SECONDS TRAIN_ARGS...               one whole run's segment
     # python -m tunekit_course.fullrun --rederive FOLDER HEADER.json OUT.json [NAME]   a run brought back
-    if len(argv) == 1 and argv[0].replace(".", "", 1).isdigit():
-        return 0 if len(measure_runs(float(argv[0]), least_s=120 if _gpu() else 0)) == len(lesson5_runs(_gpu())) \
-            else 3
-    if len(argv) < 3:
-        print("usage: python -m tunekit_course.fullrun BUDGET_SECONDS  (lesson 5's runs), or\n"
-              "       python -m tunekit_course.fullrun NAME BUDGET_SECONDS TRAIN_ARGS...  (e.g. l5_before 480 "
-              "--preset article_before)", file=sys.stderr)
-        return 2
-    if argv and argv[0] == "--rederive":  # --rederive FOLDER HEADER.json OUT.json [NAME]
-        folder, header, out, *name = argv[1:]
-        from tunekit.results import save_result
+    # (exit code 3: not all finished, go on in the next command)
+    from tunekit.results import save_result
+    from tunekit_course.notebook import on_gpu
 
+    gpu = on_gpu()
+    if len(argv) == 1 and argv[0].replace(".", "", 1).isdigit():
+        return 0 if len(measure_runs(float(argv[0]), least_s=120 * gpu)) == len(lesson5_runs(gpu)) else 3
+    if len(argv) == 2 and argv[0] == "--waterfall":
+        return 0 if len(measure_waterfall(float(argv[1]), least_s=150 * gpu)) == len(WATERFALL) + 1 else 3
+    if len(argv) in (4, 5) and argv[0] == "--rederive":
+        folder, header, out, *name = argv[1:]
         print(save_result(rederive(folder, json.loads(Path(header).read_text()), *name), out))
         return 0
-    if argv and argv[0] == "--waterfall":  # --waterfall BUDGET_SECONDS
-        return 0 if len(measure_waterfall(float(argv[1]), least_s=150 if _gpu() else 0)) == len(waterfall_runs()) \
-            else 3
+    if len(argv) < 3 or argv[0].startswith("--"):
+        print("usage: python -m tunekit_course.fullrun BUDGET_SECONDS | --waterfall BUDGET_SECONDS | NAME "
+              "BUDGET_SECONDS TRAIN_ARGS... (e.g. l5_before 480 --preset article_before) | --rederive FOLDER "
+              "HEADER.json OUT.json [NAME]", file=sys.stderr)
+        return 2
     name, budget, *args = argv
-    return 0 if measure(name, args, float(budget)) else 3  # 3: not finished, resume in the next command
-
-
-def _gpu() -> bool:
-    from tunekit_course import notebook
-
-    return notebook.on_gpu()
+    return 0 if measure(name, args, float(budget)) else 3
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ def test_a_run_brought_back_is_derived_again_under_its_measured_header(tmp_path)
     assert r["tokens_per_s"] == measured["tokens_per_s"] and len(r["curve"]) == 30
     lo, hi = r["tok_per_s_p10_p90"]
     assert 0 < lo <= hi and r["derived"]["fields"][0] == "tokens_per_s" and "header_from" not in r["derived"]
+    assert r["timings"]["build_s"] > 0 and r["timings"] == measured["timings"]
 
 
 def test_a_run_that_could_not_be_resumed_says_so(tmp_path):
@@ -89,6 +90,7 @@ def test_lesson5_runs_go_on_where_the_last_command_stopped(tmp_path, monkeypatch
     assert [json.loads((notebook.results_dir() / f"{n}.json").read_text())["steps"] for n, _, _ in runs] == [6, 6]
     assert fullrun.measure_runs(3600, runs) == ["l5_smoke_a", "l5_smoke_b"]  # done: nothing run again
     assert fullrun.main(["l5_smoke"]) == 2  # neither a budget nor a run with its arguments: the usage
+    assert fullrun.main(["--waterfall"]) == 2 and fullrun.main(["--rederive", "x"]) == 2  # their arguments missing
 
 
 def test_lesson5_runs_on_a_gpu_are_the_three_recipes_and_a_24_gb_card():
