@@ -115,20 +115,23 @@ def test_speed_push_judges_each_target_from_its_runs():
     assert claims._vs(a, b) == "1.01x, same within noise (±3%)" and claims._vs(a, None) == "-"
 
 
-def test_c16_is_the_ratio_of_the_two_epochs():
-    def epoch(name, seconds, tps):
-        return {"name": name, "epoch_s_projected": seconds, "tokens_per_s": tps, "peak_memory_gb": 20.0,
-                "fraction": 0.25, "config": {"batch_size": 8}}
+def test_c16_is_the_checklist_s_whole_epoch_over_the_before_s():
+    def run(name, wall, tps, evals=None, curve=None):
+        return {"name": name, "wall_s": wall, "tokens_per_s": tps, "peak_memory_gb": 20.0, "steps": 100,
+                "eval_losses": evals or [[100, 5.5]], "curve": curve or []}
 
-    rs = {"l5_before": epoch("l5_before", 9000, 1500), "l5_after": epoch("l5_after", 900, 16000)}
+    rs = {"l5_article_before": run("l5_article_before", 600, 2000)}
     v = claims.judge("C16", rs)
-    assert v.verdict == "holds: 10.0x" and "target is 8x (met)" in v.evidence and "projected" in v.evidence
-    rs["l5_after"] = epoch("l5_after", 3000, 5000)
-    assert claims.judge("C16", rs).verdict.startswith("partly: 3.0x")
-    rs["l5_after_warm"] = epoch("l5_after_warm", 1800, 5000)
+    assert v.verdict.startswith("unmeasured") and "in 10.0 min (2,000 real tok/s steady" in v.evidence
+    rs["l5_article_checklist"] = run("l5_article_checklist", 240, 3000)
+    assert claims.judge("C16", rs).verdict == "partly: 2.5x (the article's floor, 2x, holds)"
+    rs["l5_article_checklist"] = run("l5_article_checklist", 120, 6000)
+    rs["l5_tunekit"] = run("l5_tunekit", 300, 20000, [[40, 4.8], [80, 4.2]], [[40, 5.0, 20000, 90.0]])
     v = claims.judge("C16", rs)
-    assert v.verdict.startswith("partly: 3.0x") and "compile cache warm: 5.0x (30.0 min)" in v.evidence
-    assert v.files == ("l5_before", "l5_after", "l5_after_warm")
+    assert v.verdict == "holds: 5.0x" and "3.0x the before's" in v.evidence
+    assert "first epoch's steps done 90 s after its start" in v.evidence and "10.0x the before's" in v.evidence
+    assert "1.4 days of tunekit's (a projection from the measured rates, not a run)" in v.evidence
+    assert v.files == ("l5_article_before", "l5_article_checklist", "l5_tunekit")
     assert claims.judge("C16", {}).verdict == "unmeasured"
 
 
