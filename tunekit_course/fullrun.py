@@ -339,13 +339,24 @@ def lesson5_runs(gpu: bool) -> list[tuple[str, list[str], dict]]:
             ("l5_tunekit_24gb", ["--preset", "tunekit_recipe", "--fp8", "false"], {"TUNEKIT_MEMORY_GB": "24"})]
 
 
+def measured(name: str) -> bool:
+    """Whether the whole run NAME has a result on this GPU already (your results folder, `notebook.results_dir`):
+    it is read back, not run again, unless TUNEKIT_REMEASURE=1 (as `notebook.measure` does)."""
+    import os
+
+    from tunekit_course import notebook
+
+    again = os.environ.get("TUNEKIT_REMEASURE", "") not in ("", "0")
+    return not again and (notebook.results_dir() / f"{name}.json").exists()
+
+
 def measure_runs(budget_s: float, runs: list[tuple[str, list[str], dict]] | None = None,
                  least_s: float = 120) -> list[str]:
     """Go on with lesson 5's whole runs for `budget_s` seconds: each unfinished run in turn gets a segment with
     the time left, until the budget is spent (the run under way then stops at a step's end and checkpoints) or
     every run is done; a run is not started or resumed with less than `least_s` left (starting a 7B run takes
-    a minute before its first step). Run it again, in the next command, to go on. Returns the names of the runs
-    done."""
+    a minute before its first step). A run with a result on this GPU already is read back (`measured`). Run it
+    again, in the next command, to go on. Returns the names of the runs done."""
     import os
     from unittest import mock
 
@@ -353,22 +364,24 @@ def measure_runs(budget_s: float, runs: list[tuple[str, list[str], dict]] | None
 
     t0 = time.perf_counter()
     runs = lesson5_runs(notebook.on_gpu()) if runs is None else runs
+    if notebook.on_gpu() and not all(measured(name) for name, _, _ in runs):
+        notebook.lesson5_prepare(True)  # what a user's first run downloads once: no timed run pays for it
     for name, args, env in runs:
         left = budget_s - (time.perf_counter() - t0)
-        if done(run_folder(name)):
+        if done(run_folder(name)) or measured(name):
             continue
         if left < least_s:
             break
         with mock.patch.dict(os.environ, env):  # the child inherits it; fit_here reads TUNEKIT_MEMORY_GB too
             measure(name, notebook.fit_here(["train", *args])[1:], left)
-    finished = [name for name, _, _ in runs if done(run_folder(name))]
+    finished = [name for name, _, _ in runs if done(run_folder(name)) or measured(name)]
     print(f"whole runs done: {', '.join(finished) or 'none yet'}; "
           + ("all done" if len(finished) == len(runs) else "run this again to go on"))
     return finished
 
 
 def main(argv: list[str]) -> int:
-    # python -m tunekit_course.fullrun BUDGET_SECONDS                                  lesson 5's whole runs
+    # python -m tunekit_course.fullrun BUDGET_SECONDS [NAME,NAME]                      lesson 5's whole runs
     # python -m tunekit_course.fullrun --waterfall BUDGET_SECONDS                      the waterfall's bars
     # python -m tunekit_course.fullrun NAME BUDGET_SECONDS TRAIN_ARGS...               one whole run's segment
     # python -m tunekit_course.fullrun --rederive FOLDER HEADER.json OUT.json [NAME]   a run brought back
@@ -377,8 +390,16 @@ def main(argv: list[str]) -> int:
     from tunekit_course.notebook import on_gpu
 
     gpu = on_gpu()
-    if len(argv) == 1 and argv[0].replace(".", "", 1).isdigit():
-        return 0 if len(measure_runs(float(argv[0]), least_s=120 * gpu)) == len(lesson5_runs(gpu)) else 3
+    if len(argv) in (1, 2) and argv[0].replace(".", "", 1).isdigit():
+        runs = lesson5_runs(gpu)
+        if len(argv) == 2:  # only these of them
+            wanted = argv[1].split(",")
+            if unknown := set(wanted) - {name for name, _, _ in runs}:
+                print(f"unknown whole runs {sorted(unknown)}: choose from {', '.join(n for n, _, _ in runs)}",
+                      file=sys.stderr)
+                return 2
+            runs = [run for run in runs if run[0] in wanted]
+        return 0 if len(measure_runs(float(argv[0]), runs, least_s=120 * gpu)) == len(runs) else 3
     if len(argv) == 2 and argv[0] == "--waterfall":
         return 0 if len(measure_waterfall(float(argv[1]), least_s=150 * gpu)) == len(WATERFALL) + 1 else 3
     if len(argv) in (4, 5) and argv[0] == "--rederive":
@@ -386,7 +407,7 @@ def main(argv: list[str]) -> int:
         print(save_result(rederive(folder, json.loads(Path(header).read_text()), *name), out))
         return 0
     if len(argv) < 3 or argv[0].startswith("--"):
-        print("usage: python -m tunekit_course.fullrun BUDGET_SECONDS | --waterfall BUDGET_SECONDS | NAME "
+        print("usage: python -m tunekit_course.fullrun BUDGET_SECONDS [NAME,...] | --waterfall BUDGET_SECONDS | NAME "
               "BUDGET_SECONDS TRAIN_ARGS... (e.g. l5_before 480 --preset article_before) | --rederive FOLDER "
               "HEADER.json OUT.json [NAME]", file=sys.stderr)
         return 2
