@@ -90,7 +90,10 @@ def article_before(**overrides) -> TuneConfig:
 ARTICLE_ITEMS = {
     "tokenize": "offline",  # C1: datasets.map, ahead of training
     "num_workers": 2, "pin_memory": True, "prefetch_factor": 4, "persistent_workers": True,  # C2's DataLoader
-    "sdpa_backend": "flash",  # C9: FlashAttention (SDPA's flash kernel; the flash-attn package has no wheel here)
+    # C9, FlashAttention: SDPA's flash kernel, first in torch's order, which the before already has (the flash-attn
+    # package has no wheel for the H200 image). SDPA restricted to flash alone cannot run this checklist: under
+    # torch.compile(model) transformers builds the causal mask as a tensor, and flash takes no mask
+    "sdpa_backend": "flash,efficient,math,cudnn",
     "tf32": True,  # C13
     "compile": "model",  # C14: torch.compile(model)
     "optimizer": "adamw8bit",  # C15: its 8-bit optimizer
@@ -100,7 +103,9 @@ ARTICLE_ITEMS = {
 def article_checklist(**overrides) -> TuneConfig:
     """The article's checklist as written: `article_before` with every item the article lists
     (`ARTICLE_ITEMS`: offline tokenization, its DataLoader settings, FlashAttention, TF32, torch.compile, 8-bit
-    AdamW) and nothing it does not: the same padded batches, QLoRA with checkpointing, accumulation. One epoch."""
+    AdamW) and nothing it does not: the same padded batches, QLoRA with checkpointing, accumulation. One epoch.
+    FlashAttention is SDPA's flash kernel in torch's order, as in the before: what a plain HF user has without the
+    flash-attn package."""
     return article_before(**{**ARTICLE_ITEMS, "preset": "article_checklist", **overrides})
 
 

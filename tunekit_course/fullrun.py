@@ -41,6 +41,9 @@ def segments(folder: Path) -> list[dict]:
     return json.loads(path.read_text()) if path.exists() else []
 
 
+EXIT_GRACE_S = 60.0  # how long a run that said its error may take to exit before it is killed
+
+
 def run_segment(folder: str | Path, args: list[str], budget_s: float, poll_s: float = 1.0,
                 steps_s: float | None = None) -> dict:
     """One segment of the run `tunekit train ARGS` in `folder`: started, or resumed where the last segment
@@ -58,10 +61,13 @@ def run_segment(folder: str | Path, args: list[str], budget_s: float, poll_s: fl
     before = len(_rows(folder))
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    stopped = threading.Event()
+    stopped, failed = threading.Event(), []  # failed: when the child said its one-line error
 
     def watch():  # the budget spent and a step of this segment logged: stop at the end of the next step
         while proc.poll() is None:
+            if failed and time.perf_counter() - failed[0] > EXIT_GRACE_S:
+                proc.kill()  # it said its error and has not exited since (a worker pool holding it at exit)
+                return
             rows = _rows(folder)[before:]
             spent = time.perf_counter() - t0 >= budget_s
             steady = steps_s is not None and len(rows) > 1 and rows[-1]["elapsed_s"] - rows[0]["elapsed_s"] >= steps_s
@@ -77,6 +83,8 @@ def run_segment(folder: str | Path, args: list[str], budget_s: float, poll_s: fl
 
     for line in proc.stdout:
         print(tidy(line), end="")  # as the lessons print a command's output: no folder of this machine
+        if line.startswith("tunekit train: error") and not failed:
+            failed.append(time.perf_counter())
     code = proc.wait()
     wall = time.perf_counter() - t0
     watcher.join()
@@ -213,13 +221,13 @@ def measure(name: str, args: list[str], budget_s: float) -> dict | None:
 
 
 # ---- the waterfall: from the article's before to tunekit's recipe, one change a bar ---------------------------
-# (label, the fields the change sets); each bar keeps the changes before it. The first six are the article's
-# items (ending at article_checklist), the rest what the course adds (ending at tunekit_recipe's step).
+# (label, the fields the change sets); each bar keeps the changes before it. The first five are the article's
+# items (ending at article_checklist; its FlashAttention is SDPA's flash kernel, which the before runs already),
+# the rest what the course adds (ending at tunekit_recipe's step).
 WATERFALL = [
     ("+ offline tokenization", {"tokenize": "offline"}),
     ("+ the article's DataLoader settings", {"num_workers": 2, "pin_memory": True, "prefetch_factor": 4,
                                              "persistent_workers": True}),
-    ("+ FlashAttention (SDPA's flash kernel)", {"sdpa_backend": "flash"}),
     ("+ TF32", {"tf32": True}),
     ("+ 8-bit AdamW", {"optimizer": "adamw8bit"}),
     ("+ torch.compile: the article's checklist", {"compile": "model"}),
