@@ -149,7 +149,8 @@ def apply_techniques(model, cfg: TuneConfig, device: str, dtype: torch.dtype):
             loss_fn.softcap_of(model) and "the model soft-caps its logits, which tunekit's Liger path does not")):
         raise RuntimeError(f"config field 'loss' = 'liger': {why}; use --loss chunked (tunekit's own fused loss).")
     step_module = distributed.parallelize(StepModule(model, cfg.loss, autocast_dtype(device, dtype)), model,
-                                          parallel, device, dtype, cfg.fsdp_reshard, cfg.compile)
+                                          parallel, device, dtype, cfg.fsdp_reshard, cfg.compile,
+                                          speedups.compile_dynamic(cfg.compile, cfg.packing))
     return model, step_module, kernels
 
 

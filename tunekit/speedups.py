@@ -82,6 +82,17 @@ def compile_step(step_module: torch.nn.Module, model, mode: str, dynamic: bool |
 PAD_MULTIPLE = 64
 
 
+def compile_dynamic(mode: str, packing: str) -> bool | None:
+    """torch.compile's `dynamic` for a step: True for the whole model on batches whose width changes from step to
+    step (padded or length-grouped), so it is compiled once for every width. Left to itself, dynamo compiles the
+    whole graph for the first width and again for the second (now dynamic), minutes each at 7B on a GPU (on an
+    H200 the article's checklist's first step took about 8 minutes), and the loss's graph again when its scale,
+    a float that changes every step, first changes. None (torch's default) elsewhere: packed rows are one
+    width, a benchmark's batches too (`packing` not resolved from data: `auto`), and a decoder block's graph is
+    small."""
+    return True if mode == "model" and packing in ("pad", "group") else None
+
+
 def compile_pad_multiple(mode: str, packing: str) -> int:
     """Round a padded batch's width up to a multiple of this (0: its longest sample): a compiled step then sees
     max_length / 64 shapes at most instead of one per length. Packed rows are always `max_length` wide."""

@@ -174,6 +174,43 @@ def test_compiling_pads_batches_to_few_shapes(tmp_path, small_data):
     assert IGNORE == -100
 
 
+@pytest.mark.slow
+def test_a_whole_model_compile_of_padded_batches_compiles_once_for_every_width(monkeypatch):
+    """Padded batches change width from micro-batch to micro-batch, and the loss's scale (1 / the step's targets)
+    from step to step: compiled as a whole with `compile_dynamic`'s flag, nothing is traced again after the
+    second micro-batch, whatever the width or scale; with torch's default, each first sight of a changed input
+    traces again (on the 7B shape each is minutes on a GPU). AOT autograd without inductor's code generation:
+    the guards are dynamo's, and the test stays quick."""
+    import functools
+
+    from torch._dynamo.utils import counters
+
+    from tunekit import memory
+    from tunekit import model as mdl
+
+    assert speedups.compile_dynamic("model", "pad") is True and speedups.compile_dynamic("model", "group") is True
+    assert speedups.compile_dynamic("model", "pack") is None and speedups.compile_dynamic("regional", "pad") is None
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    arch = mdl.llama_config(64, 2, 4, 128, 256, 0, 128)
+    graphs = {}
+    for dynamic in (None, True):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = mdl.apply_lora(mdl.build_model(arch, "", torch.float32, "cpu", "sdpa", 0), 8, 16)
+        memory.apply_gradient_checkpointing(model)
+        step = speedups.compile_step(StepModule(model, "plain"), model, "model", dynamic)
+        graphs[dynamic] = []
+        # (width, the step's targets): three micro-batches of one step, then two steps of one each
+        for width, targets in ((64, 100), (128, 100), (192, 100), (128, 90), (256, 77), (64, 50)):
+            ids = torch.randint(0, 256, (2, width))
+            micro_step(model, {"input_ids": ids, "labels": ids.clone()}, targets, None, step_module=step)
+            graphs[dynamic].append(counters["stats"]["unique_graphs"])
+    torch._dynamo.reset()
+    assert graphs[True][1:] == [graphs[True][1]] * 5, graphs  # nothing traced again after the second
+    assert graphs[None][-1] > graphs[True][-1], graphs
+
+
 def test_unknown_compile_modes_are_refused():
     with pytest.raises(ValueError, match="unknown compile|choose one of"):
         speedups.compile_step(torch.nn.Linear(2, 2), None, "everything")
