@@ -330,7 +330,9 @@ def measure_waterfall(budget_s: float, runs: list[tuple[str, str, list[str]]] | 
 
 # ---- lesson 5's whole runs --------------------------------------------------------------------------------
 
-SMOKE = ["--preset", "tiny", "--max-steps", "6", "--max-length", "64", "--batch-size", "2", "--save-every", "0"]
+# the tiny stand-in of a CPU smoke run: six steps, a tenth of the data held out and scored at the end
+SMOKE = ["--preset", "tiny", "--max-steps", "6", "--max-length", "64", "--batch-size", "2", "--save-every", "0",
+         "--eval-split", "0.1"]
 
 
 def lesson5_runs(gpu: bool) -> list[tuple[str, list[str], dict]]:
@@ -345,6 +347,32 @@ def lesson5_runs(gpu: bool) -> list[tuple[str, list[str], dict]]:
             ("l5_article_checklist", ["--preset", "article_checklist"], {}),
             ("l5_tunekit", ["--preset", "tunekit_recipe"], {}),
             ("l5_tunekit_24gb", ["--preset", "tunekit_recipe", "--fp8", "false"], {"TUNEKIT_MEMORY_GB": "24"})]
+
+
+def model_folder(runs: list[tuple[str, list[str], dict]] | None = None) -> Path | None:
+    """The folder of the whole run whose trained model lesson 5 looks at (generates with, scores, exports): the
+    last of `runs` (default `lesson5_runs`) that finished here and kept its adapter, tunekit's recipe's where it
+    did; None where no run folder is on this machine (results read back from another)."""
+    from tunekit_course import notebook
+
+    runs = lesson5_runs(notebook.on_gpu()) if runs is None else runs
+    kept = [run_folder(name) for name, _, _ in runs if done(run_folder(name)) and (run_folder(name) / "adapter").is_dir()]
+    tunekit = [f for f in kept if f.name.startswith("l5_tunekit")]
+    return (tunekit or kept or [None])[0]
+
+
+def elapsed_minutes(r: dict) -> list[float]:
+    """The minutes since the run's start at each row of result `r`'s curve: a row's seconds since its segment
+    started, plus the wall-clock of the segments before it (the time between commands not counted)."""
+    offsets, before = [], 0.0
+    for seg in r.get("segments") or []:
+        offsets.append((seg.get("first_step") or 0, before))
+        before += seg["wall_s"]
+    out = []
+    for step, _, _, elapsed in r.get("curve") or []:
+        offset = max((o for first, o in offsets if first <= step), default=0.0)
+        out.append((offset + elapsed) / 60)
+    return out
 
 
 def measured(name: str) -> bool:
@@ -372,6 +400,8 @@ def measure_runs(budget_s: float, runs: list[tuple[str, list[str], dict]] | None
 
     t0 = time.perf_counter()
     runs = lesson5_runs(notebook.on_gpu()) if runs is None else runs
+    if notebook.replay_mode():  # the published results are read, nothing runs
+        return [name for name, _, _ in runs if measured(name)]
     if notebook.on_gpu() and not all(measured(name) for name, _, _ in runs):
         notebook.lesson5_prepare(True)  # what a user's first run downloads once: no timed run pays for it
     for name, args, env in runs:

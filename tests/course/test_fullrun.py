@@ -124,3 +124,29 @@ def test_waterfall_bars_are_time_boxed_and_measured_once(tmp_path, monkeypatch):
     assert r["tokens_per_s"] > 0 and r["one_time_s"] > 0 and len(r["curve"]) == r["steps"]
     assert r["tok_per_s_p10_p90"][0] <= r["tok_per_s_p10_p90"][1]
     assert fullrun.measure_waterfall(3600, bars, steps_s=1.0, least_s=0) == ["l5w_t0", "l5w_t1"]  # not again
+
+
+def test_a_run_s_clock_adds_its_segments_end_to_end():
+    r = {"segments": [{"wall_s": 120.0, "first_step": 1}, {"wall_s": 60.0, "first_step": 4}],
+         "curve": [[1, 9.0, 10.0, 30.0], [3, 8.0, 10.0, 90.0], [4, 7.5, 10.0, 45.0], [5, 7.0, 10.0, 54.0]]}
+    assert fullrun.elapsed_minutes(r) == pytest.approx([0.5, 1.5, 2.75, 2.9])  # steps 4-5: 120 s before them
+
+
+def test_the_model_the_lesson_looks_at_is_tunekit_s_run_where_one_kept_its_adapter(tmp_path, monkeypatch):
+    from tunekit_course import notebook
+
+    monkeypatch.setattr(notebook, "RUNS", tmp_path)
+    runs = [("l5_article_before", [], {}), ("l5_tunekit", [], {}), ("l5_tunekit_24gb", [], {})]
+    assert fullrun.model_folder(runs) is None  # nothing ran here (results read back)
+    for name in ("l5_article_before", "l5_tunekit_24gb"):
+        (fullrun.run_folder(name) / "adapter").mkdir(parents=True)
+        (fullrun.run_folder(name) / "summary.json").write_text("{}")
+    assert fullrun.model_folder(runs) == fullrun.run_folder("l5_tunekit_24gb")
+    assert fullrun.model_folder(runs[:1]) == fullrun.run_folder("l5_article_before")
+
+
+def test_replay_runs_nothing_and_reads_the_published_runs(monkeypatch):
+    monkeypatch.setenv("TUNEKIT_REPLAY", "1")
+    runs = fullrun.lesson5_runs(True)
+    assert fullrun.measure_runs(3600, runs) == [n for n, _, _ in runs if fullrun.measured(n)]
+    assert "l5_article_before" in fullrun.measure_runs(3600, runs)
