@@ -791,29 +791,48 @@ def step_results(rs: dict[str, dict]) -> list[dict]:
     return [r for r in rs.values() if "step_time_s" in r]
 
 
-def epoch_table(rs: dict[str, dict]) -> str:
-    """Lesson 5's `bench --epoch` results: the waterfall from the article's recipe to tunekit's in its order,
-    then the after recipe's variants; each with the time of one GSM8K epoch (projected from the share run)
-    and its parts."""
-    from tunekit_course.notebook import lesson5_labels
+# lesson 5's whole runs in the table's order (tunekit_course/fullrun.py's `lesson5_runs`): the recipe in a few words
+WHOLE_RUNS = {"l5_article_before": "the article's before",
+              "l5_article_checklist": "the article's checklist, as written",
+              "l5_tunekit": "tunekit's recipe",
+              "l5_tunekit_24gb": "tunekit's recipe, fitted to a 24 GB card (speeds are the H200's)"}
 
-    labels = lesson5_labels()
-    for name in sorted(rs):  # a step measured again on another machine: the spread between machines
-        if name.startswith("l5_step") and name.endswith("_rerun"):
-            step = name.removesuffix("_rerun")
-            labels[name] = f"{step} again, on another machine (" + (
-                f"{rs[name]['tokens_per_s'] / rs[step]['tokens_per_s'] - 1:+.0%} tok/s)" if step in rs else "alone)")
-    rows = ["| name | recipe | one epoch, min | to train, min | first step s | eval s | real tok/s | peak GB | MFU | "
-            "commit |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for name, label in labels.items():
+
+def whole_runs_table(rs: dict[str, dict]) -> str:
+    """Lesson 5's whole runs, each measured from start to end and never projected: the four of `WHOLE_RUNS` in
+    order ("unmeasured" where there is no result yet), then any run stopped before its end (`l5_..._stopped`,
+    `"whole": false`), which counts no wall-clock. Per run: its epochs, wall-clock (its segments summed), steady
+    real tokens/s with the 10th-90th percentile of its logged rows, peak memory, the held-out loss after each
+    epoch, and the commit that ran it; under the table, the baselines that say what a held-out loss is worth."""
+    names = [*WHOLE_RUNS, *sorted(n for n in rs if n.startswith("l5_") and n.endswith("_stopped"))]
+    head = ("| name | recipe | epochs | wall-clock, min | steady real tok/s (p10–p90) | peak GB | "
+            "held-out loss after each epoch | commit |")
+    rows = [head, "|---|---|---|---|---|---|---|---|"]
+    for name in names:
+        base = name.removesuffix("_stopped")
+        label = WHOLE_RUNS.get(base, base)
         if (r := rs.get(name)) is None:
-            rows.append(f"| {name} | {label} | unmeasured | | | | | | | |")
+            rows.append(f"| {name} | {label} | | unmeasured | | | | |")
             continue
-        t = r["timings"]
-        rows.append(f"| {name} | {label} | {r['epoch_s_projected'] / 60:.1f} | "
-                    f"{(r['epoch_s_projected'] - t['eval_s']) / 60:.1f} | {t['first_step_s']:.1f} | "
-                    f"{t['eval_s']:.0f} | {r['tokens_per_s']:,.0f} | {r['peak_memory_gb']:.1f} | "
-                    f"{100 * (r['mfu'] or 0):.1f}% | {r['commit'][:7]} |")
+        epochs = (r.get("config") or {}).get("epochs")
+        whole = r.get("whole", True)
+        if whole:
+            segs = len(r.get("segments") or [])
+            wall = f"{r['wall_s'] / 60:.1f}" + (f" ({segs} segments)" if segs > 1 else "")
+            epochs_cell = f"{epochs:g}" if epochs else "-"
+        else:  # its wall-clock is of no whole run: left out, as is any projection of it
+            label += f": stopped at step {r['steps']} (machine given back), not a whole run"
+            wall = "-"
+            epochs_cell = f"{r['epochs_seen']:.2f} of {epochs:g}" if epochs and r.get("epochs_seen") else "-"
+        spread = r.get("tok_per_s_p10_p90")
+        tps = f"{r['tokens_per_s']:,.0f}" + (f" ({spread[0]:,.0f}–{spread[1]:,.0f})" if spread else "")
+        losses = ", ".join(f"{loss:.2f}" for _, loss in r.get("eval_losses") or []) or "-"
+        rows.append(f"| {name} | {label} | {epochs_cell} | {wall} | {tps} | {r['peak_memory_gb']:.1f} | {losses} | "
+                    f"{(r.get('commit') or '-')[:7]} |")
+    base = next((rs[n]["baselines"] for n in names if n in rs and rs[n].get("baselines")), None)
+    if base:
+        rows.append(f"\nHeld-out baselines on the same GSM8K test tokens: uniform {base['uniform']:.2f}, unigram "
+                    f"{base['unigram']:.2f}, bigram {base['bigram']:.2f} (cross-entropy, nats a token).")
     return "\n".join(rows)
 
 
@@ -830,7 +849,7 @@ def render_readme(text: str, rs: dict[str, dict]) -> str:
     from tunekit_course.trl_race import trl_table
 
     blocks = {"headline": headline(rs), "results": format_table(sorted(step_results(rs), key=lambda r: r["name"])),
-              "epochs": epoch_table(rs),
+              "epochs": whole_runs_table(rs),
               "claims": claims_table(rs), "reference": reference_table(rs), "speedpush": speed_table(rs),
               "trl": trl_table(rs), "families": families.table()}
     for name, body in blocks.items():

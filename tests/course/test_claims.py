@@ -157,17 +157,35 @@ def test_claims_table_names_the_machine_and_the_lesson(tmp_path):
     assert {"C1", "C8", "C13", "fp8"} <= set(real) and real["C13"][0] == "04_speedups.ipynb"
 
 
-def test_epoch_table_lists_the_waterfall_in_order_and_the_reruns():
-    def epoch(name, seconds, tps, commit="abcdef0"):
-        return {"name": name, "epoch_s_projected": seconds, "tokens_per_s": tps, "peak_memory_gb": 8.0,
-                "mfu": 0.06, "commit": commit, "timings": {"eval_s": 20.0, "first_step_s": 4.5}}
+def test_whole_runs_table_shows_measured_runs_never_projects_and_marks_stopped_ones():
+    """A whole run reads its measured wall-clock (segments summed), steady tok/s with its spread and the held-out
+    loss after each epoch; a run with no result reads "unmeasured"; a stopped run shows how far it got and no
+    wall-clock. The rows are fullrun's whole runs, in its order, then the stopped ones."""
+    from tunekit_course import fullrun
 
-    rs = {"l5_before": epoch("l5_before", 600, 2000), "l5_step2": epoch("l5_step2", 620, 1900),
-          "l5_step2_rerun": epoch("l5_step2_rerun", 700, 1710)}
-    lines = claims.epoch_table(rs).splitlines()
-    assert lines[2].startswith("| l5_before | before: the article's recipe | 10.0 | 9.7 | 4.5 | 20 | 2,000 |")
-    assert lines[3].startswith("| l5_step1 |") and "unmeasured" in lines[3]
-    assert "| l5_step2_rerun | l5_step2 again, on another machine (-10% tok/s) |" in lines[-1]
+    def run(name, wall, tps, evals, epochs, **extra):
+        return {"name": name, "wall_s": wall, "tokens_per_s": tps, "tok_per_s_p10_p90": [tps - 100, tps + 100],
+                "peak_memory_gb": 62.44, "eval_losses": evals, "config": {"epochs": epochs},
+                "segments": [{"wall_s": wall / 2}, {"wall_s": wall / 2}], "commit": "abcdef0123", **extra}
+
+    rs = {"l5_tunekit": run("l5_tunekit", 540, 24000, [[139, 4.821], [278, 4.2], [417, 4.034]], 3.0,
+                            baselines={"uniform": 10.114, "unigram": 6.112, "bigram": 4.482}),
+          "l5_article_before_stopped": run("l5_article_before_stopped", 508, 2192, [], 1.0, whole=False, steps=119,
+                                           epochs_seen=0.8917)}
+    lines = claims.whole_runs_table(rs).splitlines()
+    assert [line.split(" | ")[0] for line in lines[2:7]] == [f"| {n}" for n in (*claims.WHOLE_RUNS,
+                                                                                "l5_article_before_stopped")]
+    assert list(claims.WHOLE_RUNS) == [name for name, _, _ in fullrun.lesson5_runs(True)]
+    assert lines[2] == "| l5_article_before | the article's before | | unmeasured | | | | |"
+    assert lines[4] == ("| l5_tunekit | tunekit's recipe | 3 | 9.0 (2 segments) | 24,000 (23,900–24,100) | 62.4 | "
+                        "4.82, 4.20, 4.03 | abcdef0 |")
+    stopped = lines[6].split(" | ")
+    assert stopped[1] == "the article's before: stopped at step 119 (machine given back), not a whole run"
+    assert stopped[2:5] == ["0.89 of 1", "-", "2,192 (2,092–2,292)"] and stopped[6] == "-"  # no wall-clock, no loss
+    assert lines[-1].startswith("Held-out baselines on the same GSM8K test tokens: uniform 10.11, unigram 6.11, "
+                                "bigram 4.48")
+    assert "projected" not in claims.whole_runs_table(rs)
+    assert all("unmeasured" in line for line in claims.whole_runs_table({}).splitlines()[2:])
 
 
 def test_scaling_reports_each_count_and_judges_eight_gpus():
