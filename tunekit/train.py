@@ -100,6 +100,7 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
         log = _Log(run_dir / "metrics.jsonl" if main else None, cfg.max_steps, at.step, progress, say)
         memory.reset_peak_memory(device)
         losses, eval_losses, saved_at, t_loop, eval_total = [], [], at.step, time.perf_counter(), 0.0
+        save_total = 0.0  # periodic checkpoints: the wall-clock's, not the steps' (tok/s leaves them out)
         world, step = distributed.world_size(), at.step
         with log:
             while step < cfg.max_steps and state["signal"] is None:
@@ -145,9 +146,12 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
                 last_finite = (step, loss)
                 log.step()
                 if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
+                    t_save = time.perf_counter()
                     state["checkpoint"] = checkpoint.save_checkpoint(run_dir, step, model, optimizer, scheduler,
                                                                      at.position(), cfg.keep_checkpoints)
                     saved_at = step
+                    log.exclude(time.perf_counter() - t_save)
+                    save_total += time.perf_counter() - t_save
                 state["step"] = step
                 if stop_after is not None and step >= stop_after:
                     break
@@ -160,9 +164,11 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
                    "eval_losses": eval_losses, "eval_loss": eval_losses[-1][1] if eval_losses else None,
                    "vocab_size": len(tokenizer), "params_trainable": mdl.count_parameters(model)[0],
                    # this process's wall-clock seconds: start (device, run folder), prepare (tokenizing or reading
-                   # it back), build (model, adapters, wrapping), train (the steps, held-out evaluations included)
+                   # it back), build (model, adapters, wrapping), train (the steps, held-out evaluations and
+                   # periodic checkpoints included, each also apart)
                    "timings": {**{k: round(v, 3) for k, v in timings.items()},
-                               "train_s": round(time.perf_counter() - t_loop, 3), "eval_s": round(eval_total, 3)}}
+                               "train_s": round(time.perf_counter() - t_loop, 3), "eval_s": round(eval_total, 3),
+                               "checkpoint_s": round(save_total, 3)}}
         if step >= cfg.max_steps:  # (a signal now changes nothing: the run is finishing)
             _finish(cfg, run_dir, summary, opened.finishing, model, optimizer, scheduler, at, main)
         distributed.barrier()  # no rank leaves (and tears the group down) while another still talks to it
@@ -304,6 +310,7 @@ class _Log:
         self.path, self.say, self.file = path, say, None
         self.bar = tqdm(total=total, initial=initial, desc="train") if progress and stopping.on_terminal() else None
         self.t_last, self.tokens_since, self.total = time.perf_counter(), 0, total
+        self.excluded = 0.0  # seconds since the last row spent outside the steps (a checkpoint written)
 
     def __enter__(self):
         self.file = open(self.path, "a") if self.path is not None else None
@@ -317,13 +324,17 @@ class _Log:
     def tokens(self, n: int) -> None:
         self.tokens_since += n
 
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` out of the next row's tokens/s: time spent between steps, not in them."""
+        self.excluded += seconds
+
     def row(self, step: int, loss: float, grad_norm: float, lr: float, at: _At, device: str, eval_s: float,
             eval_loss: float | None) -> None:
         now = time.perf_counter()
         alloc, _ = memory.peak_memory_gb(device)
         row = {"step": step, "loss": round(loss, 6), "lr": lr, "grad_norm": round(grad_norm, 6), "epoch": at.epoch,
                "samples": at.samples, "tokens": at.tokens,
-               "tok_per_s": round(self.tokens_since / (now - self.t_last - eval_s), 1),
+               "tok_per_s": round(self.tokens_since / (now - self.t_last - eval_s - self.excluded), 1),
                "peak_mem_gb": round(alloc, 3), "elapsed_s": at.elapsed_s}
         if eval_loss is not None:
             row["eval_loss"] = round(eval_loss, 6)
@@ -336,7 +347,7 @@ class _Log:
             held = f" (held-out {eval_loss:.4f})" if eval_loss is not None else ""
             self.say(f"step {step}/{self.total}: loss {loss:.4f}{held}, lr {lr:.3g}, grad norm {grad_norm:.3g}, "
                      f"{row['tok_per_s']:,.0f} tok/s, peak {alloc:.2f} GB, {at.samples:,} samples seen", flush=True)
-        self.t_last, self.tokens_since = now, 0
+        self.t_last, self.tokens_since, self.excluded = now, 0, 0.0
 
     def step(self) -> None:
         if self.bar is not None:

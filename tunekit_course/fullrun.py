@@ -446,7 +446,7 @@ def main(argv: list[str]) -> int:
         return 0
     if len(argv) < 3 or argv[0].startswith("--"):
         print("usage: python -m tunekit_course.fullrun BUDGET_SECONDS [NAME,...] | --waterfall BUDGET_SECONDS | NAME "
-              "BUDGET_SECONDS TRAIN_ARGS... (e.g. l5_before 480 --preset article_before) | --rederive FOLDER "
+              "BUDGET_SECONDS TRAIN_ARGS... (e.g. l5_mine 480 --preset article_before) | --rederive FOLDER "
               "HEADER.json OUT.json [NAME]", file=sys.stderr)
         return 2
     name, budget, *args = argv

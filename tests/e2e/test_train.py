@@ -698,6 +698,26 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path, tokenizer, monkey
     assert not list(run.glob(".ckpt-*.tmp"))
 
 
+def test_a_periodic_checkpoint_is_not_counted_in_the_steps_tokens_per_s(tmp_path, small_data, monkeypatch):
+    """A checkpoint written every `save_every` steps is the wall-clock's, not the step's: the row after it keeps the
+    steps' own speed (a whole run's steady tok/s read the checkpoint's seconds as a slow step), and the summary
+    says how long the checkpoints took."""
+    real_save = checkpoint.save_checkpoint
+
+    def slow_save(*args, **kwargs):
+        time.sleep(1.0)  # far longer than a tiny step
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save_checkpoint", slow_save)
+    cfg = tiny(**SMALL_ARCH, data=str(small_data), max_steps=6, save_every=2, log_every=1, batch_size=2,
+               max_length=64, out_dir=str(tmp_path / "run"))
+    summary = train.train(cfg, progress=False)
+    rows = {r["step"]: r["tok_per_s"] for r in read_metrics(tmp_path / "run")}
+    after_save, others = [rows[3], rows[5]], [rows[2], rows[4], rows[6]]
+    assert min(after_save) > 0.3 * min(others), rows  # with the 1 s counted: ~20x slower
+    assert summary["timings"]["checkpoint_s"] >= 2.0
+
+
 def test_checkpoint_restores_weights_optimizer_and_rng(tmp_path, tokenizer, samples):
     model, opt, sched = _ckpt_parts(tokenizer)
     batch = Collator(tokenizer.pad_token_id)(samples[:4])
