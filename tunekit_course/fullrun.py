@@ -25,7 +25,8 @@ from tunekit.io import atomic_write_json
 from tunekit.stopping import read_metrics_file
 
 
-def _rows(folder: Path) -> list[dict]:
+def logged_rows(folder: Path) -> list[dict]:
+    """The rows the run in `folder` logged (`metrics.jsonl`), oldest first; none before its first step."""
     path = folder / "metrics.jsonl"
     return read_metrics_file(path) if path.exists() else []
 
@@ -58,7 +59,7 @@ def run_segment(folder: str | Path, args: list[str], budget_s: float, poll_s: fl
     resume = (folder / "metrics.jsonl").exists()
     cmd = [sys.executable, "-m", "tunekit.cli", "train", *map(str, args), "--out-dir", str(folder),
            *(["--resume"] if resume else [])]
-    before = len(_rows(folder))
+    before = len(logged_rows(folder))
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     stopped, failed = threading.Event(), []  # failed: when the child said its one-line error
@@ -68,7 +69,7 @@ def run_segment(folder: str | Path, args: list[str], budget_s: float, poll_s: fl
             if failed and time.perf_counter() - failed[0] > EXIT_GRACE_S:
                 proc.kill()  # it said its error and has not exited since (a worker pool holding it at exit)
                 return
-            rows = _rows(folder)[before:]
+            rows = logged_rows(folder)[before:]
             spent = time.perf_counter() - t0 >= budget_s
             steady = steps_s is not None and len(rows) > 1 and rows[-1]["elapsed_s"] - rows[0]["elapsed_s"] >= steps_s
             if (spent or steady) and rows:
@@ -88,7 +89,7 @@ def run_segment(folder: str | Path, args: list[str], budget_s: float, poll_s: fl
     code = proc.wait()
     wall = time.perf_counter() - t0
     watcher.join()
-    rows = _rows(folder)
+    rows = logged_rows(folder)
     if code != 0 and not stopped.is_set():
         raise RuntimeError(f"tunekit train in {folder} failed with exit code {code} (its output is above)")
     segment = {"wall_s": round(wall, 1), "resumed": resume, "stopped": stopped.is_set(), "exit_code": code,
@@ -116,7 +117,7 @@ def steady_tokens_per_s(rows: list[dict], firsts: set[int]) -> float:
     return tokens / seconds if seconds > 0 else 0.0
 
 
-def _derived(rows: list[dict], segs: list[dict]) -> dict:
+def derived_fields(rows: list[dict], segs: list[dict]) -> dict:
     """What a run's logged rows give: steady tokens/s, the 10th-90th percentile of the rows' tokens/s (the
     spread within the run), and the curve the lesson draws ([step, loss, tokens/s, seconds since the
     segment's start], one a logged row)."""
@@ -146,10 +147,10 @@ def result(name: str, folder: str | Path) -> dict:
     if not done(folder):
         raise ValueError(f"{folder}: the run has not finished ({len(segments(folder))} segments so far); run "
                          "another segment first")
-    segs, rows = segments(folder), _rows(folder)
+    segs, rows = segments(folder), logged_rows(folder)
     summary = _summary(folder)
     cfg = TuneConfig(**json.loads((folder / "config.json").read_text()))
-    derived = _derived(rows, segs)
+    derived = derived_fields(rows, segs)
     from tunekit.evaluate import run_baselines
 
     # what the held-out loss means: uniform, unigram and bigram cross-entropy on the same held-out targets
@@ -169,7 +170,7 @@ def result(name: str, folder: str | Path) -> dict:
 
 def rederive(folder: str | Path, header: dict, name: str | None = None) -> dict:
     """The result of the run in `folder`, brought back from the GPU machine, with the fields its logged rows give
-    (`_derived`) computed again by this code: the measured part (GPU, versions, commit, date, wall-clock, losses)
+    (`derived_fields`) computed again by this code: the measured part (GPU, versions, commit, date, wall-clock, losses)
     is `header`, the result the GPU machine wrote for this run. A run stopped before its end (its machine given
     back between commands, so it could not be resumed) has none: `header` is then a result of the same command
     or image, `name` names the run, and the file says `"whole": false` with the steps it reached. Records what
@@ -177,9 +178,9 @@ def rederive(folder: str | Path, header: dict, name: str | None = None) -> dict:
     from tunekit.results import git_state
 
     folder = Path(folder)
-    segs, rows = segments(folder), _rows(folder)
+    segs, rows = segments(folder), logged_rows(folder)
     whole = done(folder)
-    r = {**header, **_derived(rows, segs), "timings": _summary(folder).get("timings") if whole else None}
+    r = {**header, **derived_fields(rows, segs), "timings": _summary(folder).get("timings") if whole else None}
     if not whole:  # nothing of the header's own run but its machine's description
         evals = [[row["step"], row["eval_loss"]] for row in rows if "eval_loss" in row]
         r.update(name=name or folder.name, whole=False, steps=rows[-1]["step"], segments=segs,
@@ -218,114 +219,6 @@ def measure(name: str, args: list[str], budget_s: float) -> dict | None:
     r = result(name, folder)
     notebook.save(r)
     return r
-
-
-# ---- the waterfall: from the article's before to tunekit's recipe, one change a bar ---------------------------
-# (label, the fields the change sets); each bar keeps the changes before it. The first five are the article's
-# items (ending at article_checklist; its FlashAttention is SDPA's flash kernel, which the before runs already),
-# the rest what the course adds (ending at tunekit_recipe's step).
-WATERFALL = [
-    ("+ offline tokenization", {"tokenize": "offline"}),
-    ("+ the article's DataLoader settings", {"num_workers": 2, "pin_memory": True, "prefetch_factor": 4,
-                                             "persistent_workers": True}),
-    ("+ TF32", {"tf32": True}),
-    ("+ 8-bit AdamW", {"optimizer": "adamw8bit"}),
-    ("+ torch.compile: the article's checklist", {"compile": "model"}),
-    ("+ packed rows", {"packing": "auto"}),
-    ("bf16 LoRA instead of QLoRA", {"method": "lora", "peft_kbit_prepare": False}),
-    ("no checkpointing: micro-batch 4, no accumulation", {"grad_ckpt": False, "batch_size": 4, "grad_accum": 1}),
-    ("+ the chunked loss", {"loss": "chunked"}),
-    ("no fp32 cast of the adapters' input", {"lora_input_cast": False}),
-    ("fused AdamW instead of 8-bit", {"optimizer": "adamw"}),
-    ("regional compile instead of whole-model", {"compile": "regional"}),
-    ("tunekit's attention choice (cuDNN first on Hopper)", {"attention": "auto", "sdpa_backend": "auto"}),
-    ("+ the fused LoRA", {"fast_lora": True}),
-    ("+ FP8 base weights: tunekit's recipe", {"fp8": True}),
-]
-
-
-def waterfall_configs() -> list[tuple[str, str, dict]]:
-    """(name, label, the config's fields) of each bar: `article_before`'s fields, then each change of
-    `WATERFALL` added to the ones before it; each validated. The last two of the article's items and of the
-    course's end at `article_checklist` and `tunekit_recipe` field for field, but for the whole runs' length
-    and evaluation schedule (tests/unit/test_recipes.py)."""
-    from tunekit import config
-    from tunekit.presets import article_before
-
-    fields: dict = {}
-    bars = [("l5w_00", "the article's before", config.config_dict(article_before()))]
-    for i, (label, change) in enumerate(WATERFALL, 1):
-        fields = {**fields, **change}
-        cfg = article_before(**fields)
-        cfg.validate()  # every bar is a config that runs
-        bars.append((f"l5w_{i:02d}", label, config.config_dict(cfg)))
-    return bars
-
-def _flag(field: str, value) -> str:
-    return f"--{field.replace('_', '-')}={str(value).lower() if isinstance(value, bool) else value}"
-
-
-def waterfall_runs() -> list[tuple[str, str, list[str]]]:
-    """(name, label, `tunekit train` arguments) of each bar of `WATERFALL`: `--preset article_before` with the
-    fields of every change so far, no held-out evaluation (a fixed cost, the same for every bar) and no periodic
-    checkpoint."""
-    fields: dict = {}
-    runs = [("l5w_00", "the article's before", ["--preset", "article_before", "--eval-data=", "--save-every=0"])]
-    for i, (label, change) in enumerate(WATERFALL, 1):
-        fields = {**fields, **change}
-        runs.append((f"l5w_{i:02d}", label, [*runs[0][2], *(_flag(k, v) for k, v in fields.items())]))
-    return runs
-
-
-STEADY_S = 45.0  # seconds of a bar's steps after its first: 10-100+ steps, enough for a median and its spread
-
-
-def waterfall_bar(name: str, label: str, folder: str | Path) -> dict:
-    """The result of one bar, from its folder's rows (the GPU machine's own result: `notebook.save`): steady
-    real tokens/s of the steps after the first, their 10th-90th percentile, and the one-time cost apart (start,
-    data, build, compile: the first step's end on the run's clock)."""
-    from tunekit.config import TuneConfig
-    from tunekit.results import code_file, new_result
-
-    folder = Path(folder)
-    segs, rows = segments(folder), _rows(folder)
-    cfg = TuneConfig(**json.loads((folder / "config.json").read_text()))
-    derived = _derived(rows, segs)
-    return new_result(name, cfg, derived.pop("tokens_per_s"), max(r["peak_mem_gb"] for r in rows),
-                      call=f"fullrun.waterfall_bar({name!r}, {label!r}, {folder.name!r})",
-                      code_files=(code_file(__file__),), label=label, one_time_s=rows[0]["elapsed_s"],
-                      steps=len(rows), steady_s=round(rows[-1]["elapsed_s"] - rows[0]["elapsed_s"], 1),
-                      weights=cfg.model or "random-init", **derived)
-
-
-def measure_waterfall(budget_s: float, runs: list[tuple[str, str, list[str]]] | None = None,
-                      steps_s: float = STEADY_S, least_s: float = 150) -> list[str]:
-    """Go on with the waterfall's bars for `budget_s` seconds, each in a fresh folder (runs/full/NAME) and
-    stopped after `steps_s` seconds of steps beyond its first, its result saved to this GPU's results folder;
-    a bar is not started with less than `least_s` left. Run it again, in the next command, to go on (a bar
-    stopped by the budget before its steady time is measured again). Returns the names of the bars measured."""
-    import shutil
-
-    from tunekit_course import notebook
-
-    t0 = time.perf_counter()
-    runs = waterfall_runs() if runs is None else runs
-    for name, label, args in runs:
-        if (notebook.results_dir() / f"{name}.json").exists():
-            continue
-        left = budget_s - (time.perf_counter() - t0)
-        if left < least_s:
-            break
-        folder = run_folder(name)
-        shutil.rmtree(folder, ignore_errors=True)  # each bar from a fresh folder: its one-time costs whole
-        run_segment(folder, notebook.fit_here(["train", *args])[1:], left, steps_s=steps_s)
-        rows = _rows(folder)
-        if len(rows) > 1 and (done(folder) or rows[-1]["elapsed_s"] - rows[0]["elapsed_s"] >= steps_s):
-            notebook.save(waterfall_bar(name, label, folder))
-    measured = [name for name, _, _ in runs if (notebook.results_dir() / f"{name}.json").exists()]
-    print(f"waterfall bars measured: {len(measured)} of {len(runs)}"
-          + ("" if len(measured) == len(runs) else "; run this again to go on"))
-    return measured
 
 
 # ---- lesson 5's whole runs --------------------------------------------------------------------------------
@@ -420,7 +313,6 @@ def measure_runs(budget_s: float, runs: list[tuple[str, list[str], dict]] | None
 
 def main(argv: list[str]) -> int:
     # python -m tunekit_course.fullrun BUDGET_SECONDS [NAME,NAME]                      lesson 5's whole runs
-    # python -m tunekit_course.fullrun --waterfall BUDGET_SECONDS                      the waterfall's bars
     # python -m tunekit_course.fullrun NAME BUDGET_SECONDS TRAIN_ARGS...               one whole run's segment
     # python -m tunekit_course.fullrun --rederive FOLDER HEADER.json OUT.json [NAME]   a run brought back
     # (exit code 3: not all finished, go on in the next command)
@@ -438,14 +330,12 @@ def main(argv: list[str]) -> int:
                 return 2
             runs = [run for run in runs if run[0] in wanted]
         return 0 if len(measure_runs(float(argv[0]), runs, least_s=120 * gpu)) == len(runs) else 3
-    if len(argv) == 2 and argv[0] == "--waterfall":
-        return 0 if len(measure_waterfall(float(argv[1]), least_s=150 * gpu)) == len(WATERFALL) + 1 else 3
     if len(argv) in (4, 5) and argv[0] == "--rederive":
         folder, header, out, *name = argv[1:]
         print(save_result(rederive(folder, json.loads(Path(header).read_text()), *name), out))
         return 0
     if len(argv) < 3 or argv[0].startswith("--"):
-        print("usage: python -m tunekit_course.fullrun BUDGET_SECONDS [NAME,...] | --waterfall BUDGET_SECONDS | NAME "
+        print("usage: python -m tunekit_course.fullrun BUDGET_SECONDS [NAME,...] | NAME "
               "BUDGET_SECONDS TRAIN_ARGS... (e.g. l5_mine 480 --preset article_before) | --rederive FOLDER "
               "HEADER.json OUT.json [NAME]", file=sys.stderr)
         return 2

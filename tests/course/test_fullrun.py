@@ -90,7 +90,7 @@ def test_lesson5_runs_go_on_where_the_last_command_stopped(tmp_path, monkeypatch
     assert [json.loads((notebook.results_dir() / f"{n}.json").read_text())["steps"] for n, _, _ in runs] == [6, 6]
     assert fullrun.measure_runs(3600, runs) == ["l5_smoke_a", "l5_smoke_b"]  # done: nothing run again
     assert fullrun.main(["l5_smoke"]) == 2  # neither a budget nor a run with its arguments: the usage
-    assert fullrun.main(["--waterfall"]) == 2 and fullrun.main(["--rederive", "x"]) == 2  # their arguments missing
+    assert fullrun.main(["--rederive", "x"]) == 2  # its arguments missing
 
 
 def test_lesson5_runs_on_a_gpu_are_the_three_recipes_and_a_24_gb_card():
@@ -98,32 +98,6 @@ def test_lesson5_runs_on_a_gpu_are_the_three_recipes_and_a_24_gb_card():
     assert [args[1] for args, _ in runs.values()] == ["article_before", "article_checklist", "tunekit_recipe",
                                                       "tunekit_recipe"]
     assert runs["l5_tunekit_24gb"][1] == {"TUNEKIT_MEMORY_GB": "24"}
-
-
-def test_the_waterfall_commands_are_the_waterfall_s_configs():
-    from tunekit import config
-    from tunekit.cli import resolve
-
-    for (name, label, args), (bar, bar_label, fields) in zip(fullrun.waterfall_runs(), fullrun.waterfall_configs()):
-        assert (name, label) == (bar, bar_label)
-        cfg = config.config_dict(resolve(args[1], args[2:]))
-        assert cfg == {**fields, "eval_data": "", "save_every": 0}, name  # no evaluation, no periodic checkpoint
-
-
-def test_waterfall_bars_are_time_boxed_and_measured_once(tmp_path, monkeypatch):
-    from tunekit_course import notebook
-
-    monkeypatch.setenv("TUNEKIT_SMOKE", "1")
-    monkeypatch.setattr(notebook, "RUNS", tmp_path)
-    long = ["--preset", "tiny", "--max-steps", "100000", "--max-length", "64", "--batch-size", "2",
-            "--save-every=0", "--log-every", "1"]
-    bars = [("l5w_t0", "the before", long), ("l5w_t1", "+ a change", [*long, "--lr", "1e-3"])]
-    assert fullrun.measure_waterfall(3600, bars, steps_s=1.0, least_s=0) == ["l5w_t0", "l5w_t1"]
-    r = json.loads((notebook.results_dir() / "l5w_t0.json").read_text())
-    assert r["label"] == "the before" and r["steady_s"] >= 1.0 and 2 <= r["steps"] < 100000
-    assert r["tokens_per_s"] > 0 and r["one_time_s"] > 0 and len(r["curve"]) == r["steps"]
-    assert r["tok_per_s_p10_p90"][0] <= r["tok_per_s_p10_p90"][1]
-    assert fullrun.measure_waterfall(3600, bars, steps_s=1.0, least_s=0) == ["l5w_t0", "l5w_t1"]  # not again
 
 
 def test_a_run_s_clock_adds_its_segments_end_to_end():

@@ -56,7 +56,7 @@ def test_each_recipe_is_a_valid_gpu_preset_that_fits_one_h200():
 
 
 def test_the_waterfall_goes_from_the_before_to_the_checklist_to_tunekit_one_change_a_bar():
-    from tunekit_course.fullrun import WATERFALL, waterfall_configs
+    from tunekit_course.waterfall import WATERFALL, waterfall_configs
 
     bars = waterfall_configs()
     assert len(bars) == len(WATERFALL) + 1
