@@ -325,7 +325,8 @@ def main(argv: list[str]) -> int:
         if len(argv) == 2:  # only these of them
             wanted = argv[1].split(",")
             if unknown := set(wanted) - {name for name, _, _ in runs}:
-                print(f"unknown whole runs {sorted(unknown)}: choose from {', '.join(n for n, _, _ in runs)}",
+                here = "" if gpu else " (no GPU here, or TUNEKIT_SMOKE=1: the tiny stand-ins)"
+                print(f"unknown whole runs {sorted(unknown)}: choose from {', '.join(n for n, _, _ in runs)}{here}",
                       file=sys.stderr)
                 return 2
             runs = [run for run in runs if run[0] in wanted]
