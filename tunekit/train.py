@@ -100,7 +100,6 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
         log = _Log(run_dir / "metrics.jsonl" if main else None, cfg.max_steps, at.step, progress, say)
         memory.reset_peak_memory(device)
         losses, eval_losses, saved_at, t_loop, eval_total = [], [], at.step, time.perf_counter(), 0.0
-        save_total = 0.0  # periodic checkpoints: the wall-clock's, not the steps' (tok/s leaves them out)
         world, step = distributed.world_size(), at.step
         with log:
             while step < cfg.max_steps and state["signal"] is None:
@@ -149,9 +148,9 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
                     t_save = time.perf_counter()
                     state["checkpoint"] = checkpoint.save_checkpoint(run_dir, step, model, optimizer, scheduler,
                                                                      at.position(), cfg.keep_checkpoints)
-                    saved_at = step
-                    log.exclude(time.perf_counter() - t_save)
-                    save_total += time.perf_counter() - t_save
+                    saved_at = step  # the checkpoint's seconds are the wall-clock's, not the steps' (tok/s)
+                    log.excluded += (spent := time.perf_counter() - t_save)
+                    timings["checkpoint_s"] = timings.get("checkpoint_s", 0.0) + spent
                 state["step"] = step
                 if stop_after is not None and step >= stop_after:
                     break
@@ -164,11 +163,9 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
                    "eval_losses": eval_losses, "eval_loss": eval_losses[-1][1] if eval_losses else None,
                    "vocab_size": len(tokenizer), "params_trainable": mdl.count_parameters(model)[0],
                    # this process's wall-clock seconds: start (device, run folder), prepare (tokenizing or reading
-                   # it back), build (model, adapters, wrapping), train (the steps, held-out evaluations and
-                   # periodic checkpoints included, each also apart)
+                   # it back), build (model, adapters, wrapping), train (the steps, evaluations, checkpoints)
                    "timings": {**{k: round(v, 3) for k, v in timings.items()},
-                               "train_s": round(time.perf_counter() - t_loop, 3), "eval_s": round(eval_total, 3),
-                               "checkpoint_s": round(save_total, 3)}}
+                               "train_s": round(time.perf_counter() - t_loop, 3), "eval_s": round(eval_total, 3)}}
         if step >= cfg.max_steps:  # (a signal now changes nothing: the run is finishing)
             _finish(cfg, run_dir, summary, opened.finishing, model, optimizer, scheduler, at, main)
         distributed.barrier()  # no rank leaves (and tears the group down) while another still talks to it
@@ -323,10 +320,6 @@ class _Log:
 
     def tokens(self, n: int) -> None:
         self.tokens_since += n
-
-    def exclude(self, seconds: float) -> None:
-        """Leave `seconds` out of the next row's tokens/s: time spent between steps, not in them."""
-        self.excluded += seconds
 
     def row(self, step: int, loss: float, grad_norm: float, lr: float, at: _At, device: str, eval_s: float,
             eval_loss: float | None) -> None:
