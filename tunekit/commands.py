@@ -256,6 +256,10 @@ def train(args, rest: list[str], argv: list[str]) -> int:
         from tunekit.stopping import Diverged, Interrupted
     except KeyboardInterrupt as e:  # Ctrl-C (or SIGTERM, SIGHUP) while torch imports
         return early(e)
+    except ImportError:  # a signal landed inside a C extension's import, which then fails as a second load
+        if RECEIVED:  # (numpy: "cannot load module more than once per process"): the signal's stop all the same
+            return early(Stopped(RECEIVED[-1]))
+        raise
     if RECEIVED:  # a signal whose exception an import swallowed
         return early(Stopped(RECEIVED[-1]))
     out_dir = None

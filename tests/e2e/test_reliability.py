@@ -318,6 +318,24 @@ def test_a_signal_in_the_first_moments_is_one_line(tmp_path, small_data, signum)
     assert not run.exists()
 
 
+def test_an_import_a_signal_broke_is_the_signal_s_stop(monkeypatch, capsys):
+    """A signal that lands inside a C extension's import can leave it to fail as a second load (numpy: "cannot load
+    module more than once per process", seen in CI with SIGHUP 0.3 s after start): the stop is the signal's, one
+    line and 128 + signal, not the ImportError's traceback. Without a signal the ImportError is raised."""
+    import tunekit
+    from tunekit import commands
+
+    monkeypatch.delattr(tunekit, "train", raising=False)
+    monkeypatch.setitem(sys.modules, "tunekit.train", None)  # importing it now raises ImportError
+    monkeypatch.setattr(commands, "RECEIVED", [signal.SIGHUP])
+    assert commands.train(None, [], []) == 128 + signal.SIGHUP
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "interrupted by SIGHUP" in err
+    monkeypatch.setattr(commands, "RECEIVED", [])
+    with pytest.raises(ImportError):
+        commands.train(None, [], [])
+
+
 SLOW_SAVE = """
 import sys, time
 from tunekit import cli
