@@ -61,14 +61,25 @@ class StepModule(torch.nn.Module):
                                ignore_index=IGNORE, reduction="sum") * scale
 
 
+def as_scale(scale: float | torch.Tensor, device) -> torch.Tensor:
+    """The loss's scale as a 0-d float32 tensor on `device`: a compiled forward then takes it as an input.
+    Passed as a Python float, dynamo guards on its value: it changes every step (1 / the step's targets), so
+    each step traced the loss again until torch's recompile limit (8) sent that frame back to eager (seen on an
+    H200 with the whole QLoRA model compiled, where a graph break left the loss in a frame of its own)."""
+    if torch.is_tensor(scale):
+        return scale
+    return torch.full((), float(scale), dtype=torch.float32, device=device)
+
+
 def micro_step(model, batch: dict, n_targets: int, autocast_dtype: torch.dtype | None,
                loss: str = "plain", scale: float | None = None, step_module=None) -> torch.Tensor:
     """Forward and backward on one micro-batch; returns its share of the step loss (detached): its summed
     token loss times `scale` (default `1 / n_targets`). `step_module` (a `StepModule`, perhaps wrapped by
     DDP or FSDP2) is what runs; by default one around `model`."""
     module = step_module if step_module is not None else StepModule(model, loss, autocast_dtype)
-    value = module(batch["input_ids"], batch["labels"], batch.get("position_ids"),
-                   1.0 / n_targets if scale is None else scale)
+    ids = batch["input_ids"]
+    value = module(ids, batch["labels"], batch.get("position_ids"),
+                   as_scale(1.0 / n_targets if scale is None else scale, ids.device))
     value.backward()
     return value.detach()
 

@@ -211,6 +211,50 @@ def test_a_whole_model_compile_of_padded_batches_compiles_once_for_every_width(m
     assert graphs[None][-1] > graphs[True][-1], graphs
 
 
+def test_the_loss_scale_is_an_input_of_a_compiled_step_not_a_constant(monkeypatch):
+    """The loss's scale (1 / the step's targets) changes every step. Taken as a Python float, dynamo guards on its
+    value where it specialises floats (torch 2.11, the GPU image's, did): on an H200 the whole QLoRA model's
+    graph broke at the model call, the loss was left in a frame of its own, and every step traced that frame
+    again until the recompile limit sent it back to eager. `micro_step` passes the scale as a 0-d tensor: after
+    the first micro-batches nothing is traced again, with a graph break at the same place and floats
+    specialised."""
+    import functools
+
+    from torch._dynamo.utils import counters
+
+    from tunekit import model as mdl
+
+    class Breaking(torch.nn.Module):  # a model whose call breaks the graph, as the 4-bit one's did
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, **kw):
+            out = self.inner(**kw)
+            torch._dynamo.graph_break()
+            return out
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = mdl.apply_lora(mdl.build_model(mdl.llama_config(64, 2, 4, 128, 256, 0, 128), "", torch.float32,
+                                           "cpu", "sdpa", 0), 8, 16)
+    step = speedups.compile_step(StepModule(Breaking(model), "plain"), model, "model", True)
+    graphs, losses = [], []
+    with torch._dynamo.config.patch(specialize_float=True):
+        for width, targets in ((64, 100), (128, 90), (192, 80), (128, 70), (256, 60), (64, 50), (64, 40)):
+            ids = torch.randint(0, 256, (2, width))
+            batch = {"input_ids": ids, "labels": ids.clone()}
+            losses.append((micro_step(model, batch, targets, None, step_module=step),
+                           micro_step(model, batch, targets, None)))  # compiled, and the eager step
+            graphs.append(counters["stats"]["unique_graphs"])
+    torch._dynamo.reset()
+    assert graphs[2:] == [graphs[1]] * 5, graphs
+    for compiled, eager in losses:
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+
+
 def test_unknown_compile_modes_are_refused():
     with pytest.raises(ValueError, match="unknown compile|choose one of"):
         speedups.compile_step(torch.nn.Linear(2, 2), None, "everything")
