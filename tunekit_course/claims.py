@@ -604,6 +604,13 @@ def c16(rs: dict[str, dict]) -> Verdict:
                      f"tok/s steady, {check['tokens_per_s'] / before['tokens_per_s']:.1f}x the before's), "
                      f"{check['peak_memory_gb']:.1f} GB; the article claims {ARTICLE_SPEEDUP:.2f}x")
         files.append(check["name"])
+    elif "l5_article_checklist_stopped" in rs:  # its steps, from a run that did not reach its end
+        part = rs["l5_article_checklist_stopped"]
+        parts.append(f"the checklist's steps ran at {_tps(part['tokens_per_s'])} real tok/s "
+                     f"({part['tokens_per_s'] / before['tokens_per_s']:.1f}x the before's) in a run stopped at step "
+                     f"{part['steps']}, whose first step ended {part['curve'][0][3]:.0f} s after its start "
+                     "(torch.compile of the whole model)")
+        files.append(part["name"])
     if "l5_tunekit" in rs:
         tk = rs["l5_tunekit"]
         first = _first_epoch_s(tk)
@@ -821,7 +828,7 @@ def whole_runs_table(rs: dict[str, dict]) -> str:
             wall = f"{r['wall_s'] / 60:.1f}" + (f" ({segs} segments)" if segs > 1 else "")
             epochs_cell = f"{epochs:g}" if epochs else "-"
         else:  # its wall-clock is of no whole run: left out, as is any projection of it
-            label += f": stopped at step {r['steps']} (machine given back), not a whole run"
+            label += f": stopped at step {r['steps']}, not a whole run (why: its result file's `data`)"
             wall = "-"
             epochs_cell = f"{r['epochs_seen']:.2f} of {epochs:g}" if epochs and r.get("epochs_seen") else "-"
         spread = r.get("tok_per_s_p10_p90")

@@ -123,6 +123,12 @@ def test_c16_is_the_checklist_s_whole_epoch_over_the_before_s():
     rs = {"l5_article_before": run("l5_article_before", 600, 2000)}
     v = claims.judge("C16", rs)
     assert v.verdict.startswith("unmeasured") and "in 10.0 min (2,000 real tok/s steady" in v.evidence
+    # a checklist run stopped before its end judges nothing, but its steps' rate and first step are told
+    rs["l5_article_checklist_stopped"] = run("l5_article_checklist_stopped", 500, 5000, [], [[1, 11.0, 20, 423.3]])
+    v = claims.judge("C16", rs)
+    assert v.verdict.startswith("unmeasured") and "the checklist's steps ran at 5,000 real tok/s (2.5x the " \
+        "before's) in a run stopped at step 100, whose first step ended 423 s after its start" in v.evidence
+    del rs["l5_article_checklist_stopped"]
     rs["l5_article_checklist"] = run("l5_article_checklist", 240, 3000)
     assert claims.judge("C16", rs).verdict == "partly: 2.5x (the article's floor, 2x, holds)"
     rs["l5_article_checklist"] = run("l5_article_checklist", 120, 6000)
@@ -180,7 +186,8 @@ def test_whole_runs_table_shows_measured_runs_never_projects_and_marks_stopped_o
     assert lines[4] == ("| l5_tunekit | tunekit's recipe | 3 | 9.0 (2 segments) | 24,000 (23,900–24,100) | 62.4 | "
                         "4.82, 4.20, 4.03 | abcdef0 |")
     stopped = lines[6].split(" | ")
-    assert stopped[1] == "the article's before: stopped at step 119 (machine given back), not a whole run"
+    assert stopped[1] == ("the article's before: stopped at step 119, not a whole run (why: its result file's "
+                          "`data`)")
     assert stopped[2:5] == ["0.89 of 1", "-", "2,192 (2,092–2,292)"] and stopped[6] == "-"  # no wall-clock, no loss
     assert lines[-1].startswith("Held-out baselines on the same GSM8K test tokens: uniform 10.11, unigram 6.11, "
                                 "bigram 4.48")
