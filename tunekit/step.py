@@ -10,6 +10,8 @@ FSDP or swap the loss for a fused kernel without touching the loop.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -116,6 +118,17 @@ def train_step(model, micro_batches: list[dict], optimizer, scheduler, max_grad_
     return {"loss": value, "grad_norm": grad_norm, "targets": n_targets}
 
 
+def _eval_forward(step_module):
+    """What the held-out evaluation calls: `step_module`, but where its whole forward was compiled for training
+    (`compile="model"`), the same forward run eagerly. That graph is for train mode with gradients: called in
+    eval mode under no_grad it would be traced and compiled anew, minutes for a 7B model (longer than the
+    evaluation itself), at the end of every run. Under DDP, the step it wraps (no gradient to reduce)."""
+    inner = getattr(step_module, "module", step_module)
+    if hasattr(inner.forward, "_torchdynamo_orig_callable"):  # torch.compile's wrapper of the bound forward
+        return functools.partial(type(inner).forward, inner)
+    return step_module
+
+
 def to_device(batch: dict, device: str) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
@@ -129,14 +142,15 @@ def evaluate(step_module, model, eval_ds, batch_size: int, collate, device: str,
     rows = list(range(rank, len(eval_ds), world))
     view = batching.model_columns(eval_ds)
     total, count = torch.zeros((), device=device), 0
+    forward = _eval_forward(step_module)
     model.eval()
     try:
-        with sdpa_context(sdpa_backends):
+        with torch.no_grad(), sdpa_context(sdpa_backends):
             for i in range(0, len(rows), batch_size):
                 batch = collate([view[j] for j in rows[i:i + batch_size]])
                 batch.pop("attention_mask", None)
                 b = to_device(batch, device)
-                total += step_module(b["input_ids"], b["labels"], b.get("position_ids"), 1.0).float()
+                total += forward(b["input_ids"], b["labels"], b.get("position_ids"), 1.0).float()
                 count += count_targets([b])
     finally:
         model.train()

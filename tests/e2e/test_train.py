@@ -999,6 +999,32 @@ def test_held_out_rows_give_an_eval_loss_that_a_resume_keeps(tmp_path, small_dat
         tiny(eval_every=5)
 
 
+def test_the_held_out_loss_of_a_whole_model_compile_compiles_nothing_more(tmp_path, small_data, monkeypatch):
+    """With `compile="model"` the step's graph is for training (train mode, gradients). The held-out evaluation
+    runs the same forward eagerly under no_grad: a compiled call in eval mode would trace and compile the whole
+    model again (minutes at 7B, at the end of every run); the loss is the eager step's."""
+    import functools
+
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    cfg = tiny(out_dir=str(tmp_path / "c"), data=str(small_data), batch_size=4, max_length=128, eval_split=0.2,
+               packing="pad", grad_ckpt=True, **SMALL_ARCH)
+    tokenizer, ds, _ = prepare(cfg, verbose=False)
+    _, held = split_eval(ds, cfg)
+    collate = collator(cfg, tokenizer.pad_token_id)
+    losses = []
+    for mode in ("none", "model"):
+        torch._dynamo.reset()
+        counters.clear()
+        model, _, _, opts = build_training(dataclasses.replace(cfg, compile=mode), len(tokenizer), "cpu", torch.float32, 10,
+                                           verbose=False)
+        losses.append(evaluate(opts["step_module"], model, held, cfg.batch_size, collate, "cpu"))
+        assert counters["stats"]["unique_graphs"] == 0 and model.training
+    torch._dynamo.reset()
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+
+
 def test_in_loop_tokenization_trains_as_offline_on_padded_batches(tmp_path, small_data):
     """`tokenize=in_loop` (the article's "before") reads the same samples in the same order as offline
     tokenization, so a padded run gives the same losses; it refuses packing, whose lengths it cannot know."""
