@@ -241,7 +241,7 @@ def run_many(configs: dict[str, TuneConfig], out: str | Path, reuse: bool = True
             if reuse and (old := reusable(path, cfg)):
                 results[name] = old
                 if verbose:
-                    print(f"{name}: reusing the result of {old['date']} (same code: {str(old['commit'])[:10]})")
+                    print(f"{name}: reusing the result of {old['date']}, measured by the same code")
                 continue
             try:
                 results[name] = run_bench(cfg, name, verbose=False, memory_cap_gb=memory_gb or None)
