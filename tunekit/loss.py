@@ -90,8 +90,8 @@ def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     y = labels.reshape(-1).to(h.device)
     if y.shape[0] != h.shape[0]:
         raise ValueError(f"chunked_lm_loss: {h.shape[0]} hidden states but {y.shape[0]} labels")
-    return _ChunkedLMLoss.apply(h, weight, y, scale if torch.is_tensor(scale) else float(scale), chunk or chunk_tokens(weight.shape[0]),
-                                float(softcap or 0))
+    scale = scale if torch.is_tensor(scale) else float(scale)  # a tensor: a compiled step's input (step.as_scale)
+    return _ChunkedLMLoss.apply(h, weight, y, scale, chunk or chunk_tokens(weight.shape[0]), float(softcap or 0))
 
 
 def softcap_of(model) -> float:

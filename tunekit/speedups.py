@@ -125,9 +125,9 @@ def compile_dynamic(mode: str, packing: str) -> bool | None:
     """torch.compile's `dynamic` for a step: True for the whole model on batches whose width changes from step to
     step (padded or length-grouped), so it is compiled once for every width. Left to itself, dynamo compiles the
     whole graph for the first width and again for the second (now dynamic), minutes each at 7B on a GPU (on an
-    H200 the article's checklist's first step took about 8 minutes). None (torch's default) elsewhere: packed rows are one
-    width, a benchmark's batches too (`packing` not resolved from data: `auto`), and a decoder block's graph is
-    small."""
+    H200 the article's checklist's first step took about 8 minutes). None (torch's default) elsewhere: packed
+    rows are one width, a benchmark's batches too (`packing` not resolved from data: `auto`), and a decoder
+    block's graph is small."""
     return True if mode == "model" and packing in ("pad", "group") else None
 
 

@@ -102,10 +102,11 @@ def train_step(model, micro_batches: list[dict], optimizer, scheduler, max_grad_
     world = distributed.world_size()
     n_targets = max(1, distributed.all_reduce_sum(count_targets(micro_batches)))
     value = torch.zeros((), device=device)
+    scale = as_scale(world / n_targets, device)  # once a step, every micro-batch's input
     with sdpa_context(sdpa_backends):
         for i, b in enumerate(micro_batches):
             with distributed.gradient_sync(module, enabled=i == len(micro_batches) - 1):
-                value += micro_step(model, b, n_targets, None, scale=world / n_targets, step_module=module)
+                value += micro_step(model, b, n_targets, None, scale=scale, step_module=module)
     if world > 1:
         value = distributed.all_reduce_sum(value) / world
     params = [p for g in optimizer.param_groups for p in g["params"]]
