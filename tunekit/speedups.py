@@ -21,7 +21,6 @@ bench` take it as a flag; `build.apply_techniques` applies them.
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.util
 
 import torch
@@ -63,9 +62,10 @@ def compile_step(step_module: torch.nn.Module, model, mode: str, dynamic: bool |
       holds whatever wraps the blocks.
     - `model`: the whole step (decoder, LM head and loss) as one graph: more room to fuse, longer to compile.
       Not under FSDP2 (its per-block hooks would sit inside the graph): use `regional` there. With
-      checkpointing, two things of transformers' would break that graph at every block and send its outer
-      forward back to eager (seen on the H200 with the article's checklist): the input-grad hook, dropped
-      (`drop_input_grad_hook`), and a context variable set inside checkpointed blocks, allowed.
+      checkpointing this is what `torch.compile(model)` gives in a plain HF script (the article's checklist):
+      transformers' input-grad hook breaks the graph at the embedding, the outer forward runs eagerly and the
+      checkpointed blocks are compiled one graph for all (lesson 5's checklist: a first step of ~7 minutes on
+      the H200 at 7B). Kept as the article's user has it.
     - `none`: eager, as written.
 
     Shapes: every new sequence length compiles again (`TORCH_LOGS=recompiles` shows each); packed rows are
@@ -79,12 +79,10 @@ def compile_step(step_module: torch.nn.Module, model, mode: str, dynamic: bool |
         for layer in decoder_layers(model):
             layer.forward = torch.compile(layer.forward, dynamic=dynamic)
     elif mode == "model":
-        if _checkpointed(model):  # one graph through the checkpointed blocks, not one per block
-            drop_input_grad_hook(model)
-            if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
-                # a block's forward sets a context variable (transformers' `kernels` hub layers do, where
-                # installed): dynamo refuses that inside a checkpoint unless told recomputation may skip it
-                torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+        if _checkpointed(model) and hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+            # a block's forward sets a context variable (transformers' `kernels` hub layers do, where
+            # installed): dynamo refuses that inside a checkpoint unless told recomputation may skip it
+            torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
         step_module.forward = torch.compile(step_module.forward, dynamic=dynamic)
     return step_module
 
@@ -92,30 +90,6 @@ def compile_step(step_module: torch.nn.Module, model, mode: str, dynamic: bool |
 def _checkpointed(model) -> list[torch.nn.Module]:
     """The modules of `model` whose forward runs under activation checkpointing (transformers' flag)."""
     return [m for m in base_model(model).modules() if getattr(m, "gradient_checkpointing", False)]
-
-
-def _non_reentrant(function) -> bool:
-    """Whether a block's checkpoint function is non-reentrant: transformers' `partial(checkpoint,
-    use_reentrant=False)`, or tunekit's own (`memory.apply_gradient_checkpointing`'s offloading one)."""
-    if isinstance(function, functools.partial):
-        return function.keywords.get("use_reentrant") is False
-    return getattr(function, "__module__", None) == "tunekit.memory"
-
-
-def drop_input_grad_hook(model) -> bool:
-    """Remove the hook transformers' `gradient_checkpointing_enable` puts on the input embeddings (it sets
-    `requires_grad` on their output, for reentrant checkpointing's sake). Dynamo cannot trace `requires_grad_()`:
-    under a whole-model compile the graph breaks at the embedding, transformers' outer forward falls back to
-    eager and the decoder is compiled in pieces. Non-reentrant checkpointing needs no such hook: the parameters
-    inside a checkpointed block get their gradients whether its input requires grad or not. So the hook goes
-    only where every checkpointed module is non-reentrant (tunekit's always are); returns whether it went."""
-    base = base_model(model)
-    if not getattr(base, "_require_grads_hooks", None):
-        return False
-    if not all(_non_reentrant(getattr(m, "_gradient_checkpointing_func", None)) for m in _checkpointed(model)):
-        return False
-    base.disable_input_require_grads()
-    return True
 
 
 PAD_MULTIPLE = 64
