@@ -9,6 +9,8 @@ from __future__ import annotations
 import shlex
 import signal
 import sys
+import threading
+from contextlib import contextmanager
 
 from tunekit.config import ConfigError
 from tunekit.presets import resolve
@@ -34,6 +36,31 @@ class Stopped(KeyboardInterrupt):
 # the signal landed inside transformers' lazy import, which went on with a half-imported module and failed later
 # with a ModuleNotFoundError), so `train` looks here too: a signal received is a stop, whatever broke after it.
 RECEIVED: list[int] = []
+
+
+@contextmanager
+def signals_held():
+    """Ctrl-C, SIGTERM and SIGHUP while torch and transformers import are noted in RECEIVED, not raised: an
+    exception raised inside a C extension's import can break it in ways no `except` catches (seen in CI: SIGHUP
+    0.3 s after start aborted the process inside torch's import, exit -6 with a C++ stack, no line of ours). The
+    command looks at RECEIVED once the imports are done; a second signal of the same kind raises at once, for an
+    import that hangs. The handlers are put back on the way out."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def hold(signum, frame):
+        if signum in RECEIVED:
+            raise Stopped(signum)
+        RECEIVED.append(signum)
+
+    kinds = [signal.SIGINT, signal.SIGTERM, *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])]
+    old = {s: signal.signal(s, hold) for s in kinds}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def signal_name(e: KeyboardInterrupt) -> tuple[str, int]:
@@ -252,9 +279,10 @@ def train(args, rest: list[str], argv: list[str]) -> int:
         return code
 
     try:
-        from tunekit import train as tr
-        from tunekit.stopping import Diverged, Interrupted
-    except KeyboardInterrupt as e:  # Ctrl-C (or SIGTERM, SIGHUP) while torch imports
+        with signals_held():
+            from tunekit import train as tr
+            from tunekit.stopping import Diverged, Interrupted
+    except KeyboardInterrupt as e:  # a second Ctrl-C (or SIGTERM, SIGHUP) while torch imports
         return early(e)
     except ImportError:  # a signal landed inside a C extension's import, which then fails as a second load
         if RECEIVED:  # (numpy: "cannot load module more than once per process"): the signal's stop all the same
