@@ -311,10 +311,98 @@ def measure_runs(budget_s: float, runs: list[tuple[str, list[str], dict]] | None
     return finished
 
 
+# ---- a run that outlives the command that started it -----------------------------------------------------
+
+def background_folder() -> Path:
+    """Where the detached run keeps its output (`log`), its process id (`pid`) and, once it ends, its exit code
+    (`exit`): runs/full/background."""
+    return run_folder("background")
+
+
+def detach(argv: list[str]) -> int:
+    """Start `python -m tunekit_course.fullrun ARGV` in a session of its own, which outlives the command that
+    started it (on a GPU machine lent one command at a time, a run longer than a command goes on while the next
+    command follows it with `follow`): one whole-model compile for the whole run instead of one per command.
+    Returns its process id; refuses while an earlier detached run is still going."""
+    folder = background_folder()
+    if (pid := _background_pid()) is not None:
+        raise RuntimeError(f"a detached run (process {pid}) is still going: follow it with `python -m "
+                           "tunekit_course.fullrun --follow SECONDS`, or stop it first")
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("exit", "log", "pid", "offset"):
+        (folder / name).unlink(missing_ok=True)
+    from tunekit_course import notebook
+
+    code = ("import sys; from pathlib import Path; from tunekit_course import fullrun, notebook; "
+            f"notebook.RUNS = Path({str(notebook.RUNS)!r}); code = fullrun.main({argv!r}); "
+            f"Path({str(folder / 'exit')!r}).write_text(str(code)); sys.exit(code)")
+    with open(folder / "log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-u", "-c", code], stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    (folder / "pid").write_text(str(proc.pid))
+    print(f"detached run started (process {proc.pid}): python -m tunekit_course.fullrun {' '.join(argv)}; "
+          "follow it with: python -m tunekit_course.fullrun --follow SECONDS")
+    return proc.pid
+
+
+def _background_pid() -> int | None:
+    """The detached run's process id while it goes on, else None (none started on this machine, or ended)."""
+    import contextlib
+    import os
+
+    folder = background_folder()
+    if not (folder / "pid").exists() or (folder / "exit").exists():
+        return None
+    pid = int((folder / "pid").read_text())
+    with contextlib.suppress(ChildProcessError):  # this process's own child (a test's): reaped once it ended
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    return pid
+
+
+def follow(seconds: float, poll_s: float = 2.0) -> int:
+    """Print what the detached run writes, from where the last `follow` stopped, until it ends or `seconds` pass.
+    Returns its exit code once it has ended (0: every run asked for is done; 3: not all of them, start it
+    again), 3 while it goes on (follow again in the next command), 4 when no detached run was started on this
+    machine (a fresh one: start it again with `--detach`)."""
+    folder = background_folder()
+    if not (folder / "pid").exists():
+        print("no detached run on this machine (a fresh one?): start it with python -m tunekit_course.fullrun "
+              "--detach BUDGET_SECONDS [NAME,...]", file=sys.stderr)
+        return 4
+    offset_file, t0 = folder / "offset", time.perf_counter()
+    offset = int(offset_file.read_text()) if offset_file.exists() else 0
+    while True:
+        ended = _background_pid() is None
+        with open(folder / "log", "rb") as log:
+            log.seek(offset)
+            chunk = log.read()
+        if chunk:
+            sys.stdout.write(chunk.decode(errors="replace"))
+            sys.stdout.flush()
+            offset += len(chunk)
+            offset_file.write_text(str(offset))
+        if ended:
+            exit_file = folder / "exit"
+            code = int(exit_file.read_text()) if exit_file.exists() else None
+            print(f"detached run ended: exit code {code if code is not None else 'unknown (it was killed)'}")
+            return 1 if code is None else code
+        if time.perf_counter() - t0 >= seconds:
+            print(f"detached run still going after {seconds:,.0f} s of following: follow it again")
+            return 3
+        time.sleep(poll_s)
+
+
 def main(argv: list[str]) -> int:
     # python -m tunekit_course.fullrun BUDGET_SECONDS [NAME,NAME]                      lesson 5's whole runs
     # python -m tunekit_course.fullrun NAME BUDGET_SECONDS TRAIN_ARGS...               one whole run's segment
     # python -m tunekit_course.fullrun --rederive FOLDER HEADER.json OUT.json [NAME]   a run brought back
+    # python -m tunekit_course.fullrun --detach ARGS...      the same, in a process that outlives this command
+    # python -m tunekit_course.fullrun --follow SECONDS       what the detached run printed since, until it ends
     # (exit code 3: not all finished, go on in the next command)
     from tunekit.results import save_result
     from tunekit_course.notebook import on_gpu
@@ -331,6 +419,15 @@ def main(argv: list[str]) -> int:
                 return 2
             runs = [run for run in runs if run[0] in wanted]
         return 0 if len(measure_runs(float(argv[0]), runs, least_s=120 * gpu)) == len(runs) else 3
+    if len(argv) >= 2 and argv[0] == "--detach":
+        try:
+            detach(argv[1:])
+        except RuntimeError as e:
+            print(f"fullrun: {e}", file=sys.stderr)
+            return 2
+        return 0
+    if len(argv) == 2 and argv[0] == "--follow":
+        return follow(float(argv[1]))
     if len(argv) in (4, 5) and argv[0] == "--rederive":
         folder, header, out, *name = argv[1:]
         print(save_result(rederive(folder, json.loads(Path(header).read_text()), *name), out))
@@ -338,7 +435,7 @@ def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[0].startswith("--"):
         print("usage: python -m tunekit_course.fullrun BUDGET_SECONDS [NAME,...] | NAME "
               "BUDGET_SECONDS TRAIN_ARGS... (e.g. l5_mine 480 --preset article_before) | --rederive FOLDER "
-              "HEADER.json OUT.json [NAME]", file=sys.stderr)
+              "HEADER.json OUT.json [NAME] | --detach BUDGET_SECONDS [NAME,...] | --follow SECONDS", file=sys.stderr)
         return 2
     name, budget, *args = argv
     return 0 if measure(name, args, float(budget)) else 3

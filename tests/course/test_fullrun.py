@@ -93,6 +93,26 @@ def test_lesson5_runs_go_on_where_the_last_command_stopped(tmp_path, monkeypatch
     assert fullrun.main(["--rederive", "x"]) == 2  # its arguments missing
 
 
+
+def test_a_detached_run_outlives_its_command_and_is_followed_to_its_end(tmp_path, monkeypatch, capsys):
+    """`--detach` starts the whole runs in a session of their own (on the GPU machine they outlive the command that
+    started them); `--follow` prints what they wrote since the last follow, and says when they ended, with what."""
+    from tunekit_course import notebook
+
+    monkeypatch.setenv("TUNEKIT_SMOKE", "1")
+    monkeypatch.setattr(notebook, "RUNS", tmp_path)
+    assert fullrun.main(["--follow", "5"]) == 4  # nothing started here: a fresh machine
+    assert "no detached run on this machine" in capsys.readouterr().err
+    assert fullrun.main(["--detach", "3600", "l5_smoke_a"]) == 0
+    assert fullrun.main(["--detach", "3600", "l5_smoke_a"]) == 2  # one at a time
+    assert "is still going" in capsys.readouterr().err
+    assert fullrun.main(["--follow", "600"]) == 0
+    out = capsys.readouterr().out
+    assert "whole runs done: l5_smoke_a; all done" in out and "detached run ended: exit code 0" in out
+    assert json.loads((notebook.results_dir() / "l5_smoke_a.json").read_text())["steps"] == 6
+    assert fullrun.main(["--follow", "600"]) == 0  # followed again: nothing printed twice
+    assert "whole runs done" not in capsys.readouterr().out
+
 def test_lesson5_runs_on_a_gpu_are_the_three_recipes_and_a_24_gb_card():
     runs = {name: (args, env) for name, args, env in fullrun.lesson5_runs(True)}
     assert [args[1] for args, _ in runs.values()] == ["article_before", "article_checklist", "tunekit_recipe",
