@@ -311,6 +311,57 @@ def measure_runs(budget_s: float, runs: list[tuple[str, list[str], dict]] | None
     return finished
 
 
+def summary(whole: dict[str, dict]) -> list[str]:
+    """What lesson 5's whole runs found, one sentence a finding, every figure read from the results in `whole`
+    ({name: result}, those measured here): the checklist against the before (the article's claim), tunekit's
+    recipe against both, the 24 GB card, memory, and the held-out loss against its baselines. A run missing from
+    `whole` is said to be missing, never filled in."""
+    before, check = whole.get("l5_article_before"), whole.get("l5_article_checklist")
+    tk, card = whole.get("l5_tunekit"), whole.get("l5_tunekit_24gb")
+
+    def minutes(r: dict) -> str:
+        return f"{r['wall_s'] / 60:.1f} min"
+
+    def epochs(r: dict) -> str:
+        n = round(r["epochs_seen"])
+        return f"{n} epoch{'s' if n != 1 else ''}" if n else f"{r['epochs_seen']:.2f} of an epoch"
+
+    out = []
+    if before and check:
+        first = check["curve"][0][3] if check.get("curve") else None
+        out.append(f"The article's checklist, as written: {epochs(check)} in {minutes(check)} against the before's "
+                   f"{minutes(before)}, {before['wall_s'] / check['wall_s']:.1f}x by wall-clock (the article claims "
+                   f"{14 / 3:.2f}x); its steady steps ran {check['tokens_per_s'] / before['tokens_per_s']:.1f}x the "
+                   "before's real tokens a second" + (f", after a first step that ended {first:.0f} s into the run "
+                                                      "(the whole-model compile)" if first else "") + ".")
+    else:
+        out.append("The checklist against the before (the article's claim) needs both whole runs: "
+                   + ", ".join(n for n, r in (("l5_article_before", before), ("l5_article_checklist", check))
+                               if r is None) + " not measured here.")
+    if before and tk:
+        per_epoch, before_epoch = tk["wall_s"] / tk["epochs_seen"], before["wall_s"] / before["epochs_seen"]
+        out.append(f"tunekit's recipe: {epochs(tk)} in {minutes(tk)} ({per_epoch / 60:.1f} min an epoch on average, "
+                   f"{before_epoch / per_epoch:.1f}x the before's epoch); steady {tk['tokens_per_s'] / before['tokens_per_s']:.1f}x the before's "
+                   "real tokens a second" + (f", {tk['tokens_per_s'] / check['tokens_per_s']:.1f}x the checklist's "
+                                             "(what the course adds to the article)" if check else "") + ".")
+    if tk and card:
+        out.append(f"On a 24 GB card (this GPU capped at 24 GB; speeds are this GPU's): {epochs(card)} in "
+                   f"{minutes(card)}, steady {card['tokens_per_s'] / tk['tokens_per_s']:.0%} of the whole card's rate, "
+                   f"peak {card['peak_memory_gb']:.1f} GB.")
+    peaks = [f"{name} {r['peak_memory_gb']:.1f} GB" for name, r in whole.items()]
+    if peaks:
+        out.append("Peak GPU memory: " + ", ".join(peaks) + ".")
+    longest = max((r for r in whole.values() if r.get("eval_losses") and r.get("baselines")),
+                  key=lambda r: len(r["eval_losses"]), default=None)
+    if longest:
+        b, last = longest["baselines"], longest["eval_losses"][-1][1]
+        below = ("below the bigram baseline" if last < b["bigram"] else "between the unigram and bigram baselines"
+                 if last < b["unigram"] else "above the unigram baseline")
+        out.append(f"Held-out loss of {longest['name']} after {epochs(longest)}: {last:.2f} nats, {below} "
+                   f"(uniform {b['uniform']:.2f}, unigram {b['unigram']:.2f}, bigram {b['bigram']:.2f}).")
+    return out
+
+
 # ---- a run that outlives the command that started it -----------------------------------------------------
 
 def background_folder() -> Path:

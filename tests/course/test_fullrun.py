@@ -113,6 +113,7 @@ def test_a_detached_run_outlives_its_command_and_is_followed_to_its_end(tmp_path
     assert fullrun.main(["--follow", "600"]) == 0  # followed again: nothing printed twice
     assert "whole runs done" not in capsys.readouterr().out
 
+
 def test_lesson5_runs_on_a_gpu_are_the_three_recipes_and_a_24_gb_card():
     runs = {name: (args, env) for name, args, env in fullrun.lesson5_runs(True)}
     assert [args[1] for args, _ in runs.values()] == ["article_before", "article_checklist", "tunekit_recipe",
@@ -144,3 +145,34 @@ def test_replay_runs_nothing_and_reads_the_published_runs(monkeypatch):
     runs = fullrun.lesson5_runs(True)
     assert fullrun.measure_runs(3600, runs) == [n for n, _, _ in runs if fullrun.measured(n)]
     assert "l5_article_before" in fullrun.measure_runs(3600, runs)
+
+
+def _whole(name, wall_s, tps, peak, epochs=1.0, evals=(), baselines=None, first_s=30.0):
+    return {"name": name, "wall_s": wall_s, "tokens_per_s": tps, "peak_memory_gb": peak, "epochs_seen": epochs,
+            "eval_losses": [[i, loss] for i, loss in enumerate(evals, 1)], "baselines": baselines,
+            "curve": [[1, 9.0, 10.0, first_s]]}
+
+
+def test_the_lesson_s_summary_is_read_from_the_runs_and_says_what_is_missing():
+    base = {"uniform": 10.1, "unigram": 6.1, "bigram": 4.5}
+    before = _whole("l5_article_before", 480.0, 2_000.0, 8.6, evals=[5.5], baselines=base)
+    check = _whole("l5_article_checklist", 240.0, 5_000.0, 17.0, evals=[5.4], baselines=base, first_s=400.0)
+    tk = _whole("l5_tunekit", 240.0, 24_000.0, 62.0, epochs=3.0, evals=[4.8, 4.2, 4.0], baselines=base)
+    card = _whole("l5_tunekit_24gb", 480.0, 12_000.0, 22.5, epochs=3.0)
+    lines = fullrun.summary({"l5_article_before": before, "l5_article_checklist": check, "l5_tunekit": tk,
+                             "l5_tunekit_24gb": card})
+    assert lines[0].startswith("The article's checklist, as written: 1 epoch in 4.0 min against the before's 8.0 min, "
+                               "2.0x by wall-clock (the article claims 4.67x); its steady steps ran 2.5x")
+    assert "ended 400 s into the run" in lines[0]
+    assert "3 epochs in 4.0 min (1.3 min an epoch on average, 6.0x the before's epoch); steady 12.0x" in lines[1]
+    assert "4.8x the checklist's" in lines[1]
+    assert "steady 50% of the whole card's rate, peak 22.5 GB" in lines[2]
+    assert lines[3] == ("Peak GPU memory: l5_article_before 8.6 GB, l5_article_checklist 17.0 GB, l5_tunekit 62.0 GB, "
+                        "l5_tunekit_24gb 22.5 GB.")
+    assert lines[4].startswith("Held-out loss of l5_tunekit after 3 epochs: 4.00 nats, below the bigram baseline")
+    missing = fullrun.summary({"l5_article_before": before})
+    assert missing[0].endswith("l5_article_checklist not measured here.") and len(missing) == 3
+    assert "between the unigram and bigram baselines" in missing[2]
+    short = fullrun.summary({"l5_smoke": _whole("l5_smoke", 6.0, 5_000.0, 0.5, epochs=0.004, evals=[6.4],
+                                                baselines=base)})
+    assert "after 0.00 of an epoch: 6.40 nats, above the unigram baseline" in short[-1]
