@@ -2,8 +2,12 @@
 that can hold up. Each bar is `tunekit train` of `article_before` with every change so far, from a fresh folder
 (`fullrun.run_segment`), stopped once its steps beyond the first span `STEADY_S` seconds: its steady real
 tokens/s, the 10th-90th percentile of its steps (the spread a change must leave to count) and its one-time cost
-(start, data, build, compile: the first step's end on the run's clock) apart. The whole waterfall takes about
-40 minutes on an H200; `python -m tunekit_course.waterfall SECONDS` goes on where the last command stopped.
+(start, data, build, compile: the first step's end on the run's clock) apart. A bar's change is read against the
+bar before it (`bar_change`): step by step where both ran the same batches, so the batches' lengths cancel out,
+and a change inside the spread says so; bars measured on different GPUs are not compared. The whole waterfall is
+more than a GPU session of 30 minutes can hold (an estimate: ~90 s a bar, the whole-model compile's bar ~8
+minutes), so it goes in parts, each part's bars on one GPU: `python -m tunekit_course.waterfall SECONDS
+[FIRST-LAST]` goes on where the last command stopped, with the bars FIRST to LAST (their numbers) only.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ def waterfall_configs() -> list[tuple[str, str, dict]]:
         bars.append((f"l5w_{i:02d}", label, config.config_dict(cfg)))
     return bars
 
+
 def _flag(field: str, value) -> str:
     return f"--{field.replace('_', '-')}={str(value).lower() if isinstance(value, bool) else value}"
 
@@ -86,11 +91,72 @@ def waterfall_bar(name: str, label: str, folder: str | Path) -> dict:
     segs, rows = segments(folder), logged_rows(folder)
     cfg = TuneConfig(**json.loads((folder / "config.json").read_text()))
     derived = derived_fields(rows, segs)
+    # the real tokens of each logged row: two bars that read the same batches agree here, row for row
+    row_tokens = [b["tokens"] - a["tokens"] for a, b in zip([{"tokens": 0}, *rows], rows)]
     return new_result(name, cfg, derived.pop("tokens_per_s"), max(r["peak_mem_gb"] for r in rows),
                       call=f"waterfall.waterfall_bar({name!r}, {label!r}, {folder.name!r})",
                       code_files=(code_file(__file__),), label=label, one_time_s=rows[0]["elapsed_s"],
                       steps=len(rows), steady_s=round(rows[-1]["elapsed_s"] - rows[0]["elapsed_s"], 1),
-                      weights=cfg.model or "random-init", **derived)
+                      weights=cfg.model or "random-init", gpu_uuid=gpu_uuid(), row_tokens=row_tokens, **derived)
+
+
+def gpu_uuid() -> str | None:
+    """The physical GPU this process measures on (its UUID), None without CUDA: bars from two GPUs, two machines
+    of the same model among them, differ by more than many changes do (18% seen between two H200 machines), so
+    they are not compared."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None)
+    return str(uuid) if uuid is not None else None
+
+
+def _quantiles(values: list[float]) -> tuple[float, float]:
+    values = sorted(values)
+    return values[len(values) // 10], values[9 * len(values) // 10]
+
+
+def _block_rates(bar: dict, blocks: int = 3) -> list[float]:
+    """A bar's steady real tokens/s over `blocks` consecutive runs of its steps after the first (its rate's own
+    wobble: each block is a different stretch of the data)."""
+    pairs = [(tokens, row[2]) for tokens, row in zip(bar["row_tokens"][1:], bar["curve"][1:]) if row[2]]
+    size = max(1, len(pairs) // blocks)
+    chunks = [pairs[i:i + size] for i in range(0, len(pairs), size)][:blocks]
+    return [sum(t for t, _ in c) / sum(t / r for t, r in c) for c in chunks if c]
+
+
+def bar_change(before: dict, bar: dict) -> dict:
+    """How `bar` changed the steady speed of the bar `before` it: {ratio (bar's steady tokens/s over before's),
+    low, high (the spread of that ratio), within (True: the ratio is inside its spread, the change has not shown
+    an effect; None: not compared), how}. Where both bars logged the same real tokens row for row (the same
+    batches: a change that leaves batching alone), the spread is the 10th-90th percentile of the step-by-step
+    ratios, each step against the same step of the bar before. Otherwise each bar's rate over three stretches of
+    its steps, and the ratio's range over them. Bars measured on different GPUs are not compared."""
+    ratio = bar["tokens_per_s"] / before["tokens_per_s"]
+    if before.get("gpu_uuid") != bar.get("gpu_uuid"):
+        return {"ratio": ratio, "low": None, "high": None, "within": None,
+                "how": "not compared: measured on different GPUs"}
+    n = min(len(before["row_tokens"]), len(bar["row_tokens"]))
+    if n > 2 and before["row_tokens"][:n] == bar["row_tokens"][:n]:
+        steps = [b[2] / a[2] for a, b in zip(before["curve"][1:n], bar["curve"][1:n]) if a[2] and b[2]]
+        low, high = _quantiles(steps)
+        how = f"step by step over the same {len(steps)} batches (10th-90th percentile)"
+    else:
+        mine, theirs = _block_rates(bar), _block_rates(before)
+        low, high = min(mine) / max(theirs), max(mine) / min(theirs)
+        how = "over three stretches of each bar's steps (other batches: no step-by-step pairing)"
+    return {"ratio": ratio, "low": low, "high": high, "within": low <= 1.0 <= high, "how": how}
+
+
+def describe_change(before: dict, bar: dict) -> str:
+    """One line for a bar's change against the bar before it (`bar_change`), for the lesson to print."""
+    c = bar_change(before, bar)
+    head = f"{c['ratio']:.2f}x the bar before"
+    if c["within"] is None:
+        return f"{head} ({c['how']})"
+    spread = f"spread {c['low']:.2f}-{c['high']:.2f}x, {c['how']}"
+    return f"{head} ({spread})" + (": inside its spread, no effect shown" if c["within"] else "")
 
 
 def measure_waterfall(budget_s: float, runs: list[tuple[str, str, list[str]]] | None = None,
@@ -123,15 +189,33 @@ def measure_waterfall(budget_s: float, runs: list[tuple[str, str, list[str]]] | 
     return measured
 
 
+def bar_range(text: str) -> list[tuple[str, str, list[str]]]:
+    """The bars numbered FIRST to LAST ("0-5", "6-15", "7"), of `waterfall_runs`; ValueError naming the range."""
+    runs = waterfall_runs()
+    try:
+        first, _, last = text.partition("-")
+        first, last = int(first), int(last or first)
+    except ValueError:
+        raise ValueError(f"{text!r}: not a range of bar numbers such as 0-5") from None
+    if not 0 <= first <= last < len(runs):
+        raise ValueError(f"{text!r}: the bars are numbered 0 to {len(runs) - 1}")
+    return runs[first:last + 1]
+
+
 def main(argv: list[str]) -> int:
-    # python -m tunekit_course.waterfall BUDGET_SECONDS   the bars not measured yet, for at most that long
-    # (exit code 3: not all measured, go on in the next command)
+    # python -m tunekit_course.waterfall BUDGET_SECONDS [FIRST-LAST]   the bars (those numbered FIRST to LAST) not
+    # measured yet, for at most that long (exit code 3: not all measured, go on in the next command)
     from tunekit_course.notebook import on_gpu
 
-    if len(argv) != 1 or not argv[0].replace(".", "", 1).isdigit():
-        print("usage: python -m tunekit_course.waterfall BUDGET_SECONDS", file=sys.stderr)
+    if len(argv) not in (1, 2) or not argv[0].replace(".", "", 1).isdigit():
+        print("usage: python -m tunekit_course.waterfall BUDGET_SECONDS [FIRST-LAST]", file=sys.stderr)
         return 2
-    return 0 if len(measure_waterfall(float(argv[0]), least_s=150 * on_gpu())) == len(WATERFALL) + 1 else 3
+    try:
+        runs = bar_range(argv[1]) if len(argv) == 2 else waterfall_runs()
+    except ValueError as e:
+        print(f"waterfall: {e}", file=sys.stderr)
+        return 2
+    return 0 if len(measure_waterfall(float(argv[0]), runs, least_s=150 * on_gpu())) == len(runs) else 3
 
 
 if __name__ == "__main__":

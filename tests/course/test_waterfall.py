@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tunekit_course import waterfall
 
 
@@ -32,8 +34,52 @@ def test_waterfall_bars_are_time_boxed_and_measured_once(tmp_path, monkeypatch):
     assert r["label"] == "the before" and r["steady_s"] >= 1.0 and 2 <= r["steps"] < 100000
     assert r["tokens_per_s"] > 0 and r["one_time_s"] > 0 and len(r["curve"]) == r["steps"]
     assert r["tok_per_s_p10_p90"][0] <= r["tok_per_s_p10_p90"][1]
+    assert len(r["row_tokens"]) == r["steps"] and all(t > 0 for t in r["row_tokens"]) and r["gpu_uuid"] is None
     assert waterfall.measure_waterfall(3600, bars, steps_s=1.0, least_s=0) == ["l5w_t0", "l5w_t1"]  # not again
 
 
 def test_the_command_line_takes_a_budget():
     assert waterfall.main([]) == 2 and waterfall.main(["soon"]) == 2
+
+
+def _bar(tps: list[float], tokens: list[int], uuid: str | None = "GPU-1") -> dict:
+    """A bar's result as `waterfall_bar` writes it: its logged rows' tokens/s and real tokens, its steady rate
+    over the rows after the first."""
+    rate = sum(tokens[1:]) / sum(t / r for t, r in zip(tokens[1:], tps[1:]))
+    return {"tokens_per_s": rate, "gpu_uuid": uuid, "row_tokens": tokens,
+            "curve": [[i + 1, 5.0, r, float(i)] for i, r in enumerate(tps)]}
+
+
+def test_a_change_on_the_same_batches_is_read_step_by_step():
+    """The same batches (row tokens equal): each step against the same step of the bar before, so a change of 3%
+    shows though the steps' own speeds vary by 2x with the batches' lengths; a change of 0 is inside its spread."""
+    tokens = [1000 + 500 * (i % 4) for i in range(30)]
+    base = [2000.0 + 2000.0 * (i % 4) / 3 for i in range(30)]  # longer batches, faster steps: 2,000-4,000
+    before = _bar(base, tokens)
+    faster = waterfall.bar_change(before, _bar([t * 1.03 for t in base], tokens))
+    assert faster["ratio"] == pytest.approx(1.03) and faster["within"] is False and "step by step" in faster["how"]
+    assert faster["low"] == pytest.approx(1.03) and faster["high"] == pytest.approx(1.03)
+    jitter = [t * (1.01 if i % 2 else 0.99) for i, t in enumerate(base)]
+    same = waterfall.bar_change(before, _bar(jitter, tokens))
+    assert same["within"] is True and same["low"] < 1 < same["high"]
+    assert waterfall.describe_change(before, _bar(jitter, tokens)).endswith("inside its spread, no effect shown")
+
+
+def test_a_change_of_batching_is_read_over_stretches_and_two_gpus_are_not_compared():
+    before = _bar([2000.0 + 100 * (i % 3) for i in range(30)], [1000] * 30)
+    packed = _bar([8000.0 + 400 * (i % 3) for i in range(20)], [4000] * 20)  # other batches: no pairing
+    c = waterfall.bar_change(before, packed)
+    assert c["within"] is False and "stretches" in c["how"] and c["low"] > 3.5 and c["high"] < 4.5
+    other = waterfall.bar_change(before, _bar([2000.0] * 30, [1000] * 30, uuid="GPU-2"))
+    assert other["within"] is None and "different GPUs" in other["how"]
+    assert "not compared" in waterfall.describe_change(before, _bar([2000.0] * 30, [1000] * 30, uuid="GPU-2"))
+
+
+def test_bars_are_chosen_by_their_numbers():
+    runs = waterfall.waterfall_runs()
+    assert [name for name, _, _ in waterfall.bar_range("0-5")] == [f"l5w_{i:02d}" for i in range(6)]
+    assert waterfall.bar_range("7") == runs[7:8] and waterfall.bar_range(f"6-{len(runs) - 1}") == runs[6:]
+    for bad in ("a-b", "5-3", f"0-{len(runs)}"):
+        with pytest.raises(ValueError, match=repr(bad)):
+            waterfall.bar_range(bad)
+    assert waterfall.main(["60", "9-2"]) == 2
