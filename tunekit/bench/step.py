@@ -150,14 +150,22 @@ PROFILE_CATEGORIES = (
     ("loss", ("cross_entropy", "log_softmax", "nll_loss", "_chunkedlmloss")),
     ("communication", ("nccl", "all_reduce", "allreduce", "reduce_scatter", "all_gather")),
     ("matmul", ("gemm", "matmul", "aten::mm", "aten::addmm", "aten::bmm", "cutlass", "xmma", "nvjet", "sm90_", "_mm")),
+    ("fp8 quantize", ("amax", "e4m3", "float8")),  # scaling activations to FP8: a max over each row, then a cast
     ("norm, activation, rope", ("rms", "norm", "silu", "swiglu", "rotary", "rope")),
-    ("copy, cast", ("copy", "cast", "fill")),
+    ("copy, cast", ("copy", "cast", "fill", "memcpy", "memset")),
 )
+
+# Inductor's pointwise and reduction kernels (`triton_poi_`, `triton_red_`, `triton_per_`) are named after every
+# operation fused into them, the matmul whose input they prepare included ("triton_red_fused__scaled_mm_..._amax_"
+# quantizes an activation for an FP8 matmul): they are never a GEMM (its own kernel, or inductor's `triton_tem_`).
+INDUCTOR_FUSED = ("triton_poi_", "triton_red_", "triton_per_")
 
 
 def categorize(name: str) -> str:
     low = name.lower()
-    return next((cat for cat, keys in PROFILE_CATEGORIES if any(k in low for k in keys)), "elementwise, other")
+    fused = low.startswith(INDUCTOR_FUSED)
+    return next((cat for cat, keys in PROFILE_CATEGORIES if not (fused and cat == "matmul")
+                 and any(k in low for k in keys)), "elementwise, other")
 
 
 @with_config_threads
