@@ -454,6 +454,7 @@ def main(argv: list[str]) -> int:
     # python -m tunekit_course.fullrun --rederive FOLDER HEADER.json OUT.json [NAME]   a run brought back
     # python -m tunekit_course.fullrun --detach ARGS...      the same, in a process that outlives this command
     # python -m tunekit_course.fullrun --follow SECONDS       what the detached run printed since, until it ends
+    # python -m tunekit_course.fullrun --waterfall SECONDS [FIRST-LAST]   the waterfall's bars (--detach takes it)
     # (exit code 3: not all finished, go on in the next command)
     from tunekit.results import save_result
     from tunekit_course.notebook import on_gpu
@@ -479,6 +480,10 @@ def main(argv: list[str]) -> int:
         return 0
     if len(argv) == 2 and argv[0] == "--follow":
         return follow(float(argv[1]))
+    if argv[:1] == ["--waterfall"]:  # the waterfall's command, so that --detach can run it too
+        from tunekit_course import waterfall
+
+        return waterfall.main(argv[1:])
     if len(argv) in (4, 5) and argv[0] == "--rederive":
         folder, header, out, *name = argv[1:]
         print(save_result(rederive(folder, json.loads(Path(header).read_text()), *name), out))
@@ -486,7 +491,8 @@ def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[0].startswith("--"):
         print("usage: python -m tunekit_course.fullrun BUDGET_SECONDS [NAME,...] | NAME "
               "BUDGET_SECONDS TRAIN_ARGS... (e.g. l5_mine 480 --preset article_before) | --rederive FOLDER "
-              "HEADER.json OUT.json [NAME] | --detach BUDGET_SECONDS [NAME,...] | --follow SECONDS", file=sys.stderr)
+              "HEADER.json OUT.json [NAME] | --detach ARGS... | --follow SECONDS | --waterfall BUDGET_SECONDS [FIRST-LAST]",
+              file=sys.stderr)
         return 2
     name, budget, *args = argv
     return 0 if measure(name, args, float(budget)) else 3
