@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -43,6 +44,32 @@ def segments(folder: Path) -> list[dict]:
 
 
 EXIT_GRACE_S = 60.0  # how long a run that said its error may take to exit before it is killed
+
+_STEP_LINE = re.compile(r"^step (\d+)/(\d+):")
+_SHOWN: set[str] = set()  # the lines other than steps printed in this process (`for_the_page`)
+
+
+def for_the_page():
+    """A filter of one segment's output lines for the lesson's page (a whole run logs hundreds of steps; its
+    metrics.jsonl keeps every one): a step line for the segment's first step, each tenth of the run and the last;
+    any other line once per process, so the banner every run prints (its model, attention backend, dtype) shows
+    once however many runs a lesson makes, and every line that differs shows."""
+    first = [True]
+
+    def keep(line: str) -> bool:
+        if m := _STEP_LINE.match(line):
+            step, total = int(m[1]), int(m[2])
+            show = first[0] or step == total or step % max(1, total // 10) == 0
+            first[0] = False
+            return show
+        if not line.strip():
+            return True
+        if line in _SHOWN:
+            return False
+        _SHOWN.add(line)
+        return True
+
+    return keep
 
 
 def run_segment(folder: str | Path, args: list[str], budget_s: float, poll_s: float = 1.0,
@@ -82,8 +109,10 @@ def run_segment(folder: str | Path, args: list[str], budget_s: float, poll_s: fl
     watcher.start()
     from tunekit_course.notebook import tidy
 
+    keep = for_the_page()
     for line in proc.stdout:
-        print(tidy(line), end="")  # as the lessons print a command's output: no folder of this machine
+        if keep(line):
+            print(tidy(line), end="")  # as the lessons print a command's output: no folder of this machine
         if line.startswith("tunekit train: error") and not failed:
             failed.append(time.perf_counter())
     code = proc.wait()

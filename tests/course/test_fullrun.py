@@ -178,3 +178,16 @@ def test_the_lesson_s_summary_is_read_from_the_runs_and_says_what_is_missing():
     short = fullrun.summary({"l5_smoke": _whole("l5_smoke", 6.0, 5_000.0, 0.5, epochs=0.004, evals=[6.4],
                                                 baselines=base)})
     assert "after 0.00 of an epoch: 6.40 nats, above the unigram baseline" in short[-1]
+
+
+def test_a_run_s_output_on_the_page_is_its_first_step_each_tenth_and_one_banner(monkeypatch):
+    monkeypatch.setattr(fullrun, "_SHOWN", set())
+    banner = "attention: auto: PyTorch SDPA\n"
+    out = [banner, *(f"step {i}/40: loss 1.0\n" for i in range(1, 41)), "done: 40 steps\n"]
+    keep = fullrun.for_the_page()
+    shown = [line for line in out if keep(line)]
+    assert shown == [banner, "step 1/40: loss 1.0\n", *(f"step {i}/40: loss 1.0\n" for i in range(4, 41, 4)),
+                     "done: 40 steps\n"]
+    again = fullrun.for_the_page()  # the next segment (or run) in this process: its first step, no banner again
+    assert [line for line in [banner, "step 17/40: loss 1.0\n", "step 18/40: x\n"] if again(line)] == \
+        ["step 17/40: loss 1.0\n"]
