@@ -391,6 +391,37 @@ def summary(whole: dict[str, dict]) -> list[str]:
     return out
 
 
+# GPU memory sizes a learner rents, with examples: FP8 matmuls need Ada or Hopper (sm89+)
+CARDS = ((24, "RTX 4090", "RTX 3090"), (48, "L40S", "RTX A6000"), (80, "H100", "A100 80GB"), (141, "H200", None))
+
+
+def recipes_by_memory(cards=CARDS, preset: str = "tunekit_recipe") -> list[dict]:
+    """What to run on each card of `cards` ((GB, a GPU with FP8, one without)): tunekit's recipe as it is where
+    its estimated peak fits, else the nearest config that fits (`notebook.nearest_fit`, the estimator's), with
+    FP8 base weights on a GPU that has FP8 matmuls and without on one that has not. Each row {gb, gpu, fp8,
+    flags, estimate_gb, fits}: planned from the estimator, not measured (the lesson marks the two sizes its
+    runs measured)."""
+    from tunekit.estimate import Setup, estimate_memory_for
+    from tunekit.presets import resolve
+    from tunekit_course.notebook import nearest_fit
+
+    rows = []
+    for gb, with_fp8, without in cards:
+        for gpu, fp8 in ((with_fp8, True), (without, False)):
+            if gpu is None:
+                continue
+            rest = [f"--fp8={str(fp8).lower()}"]
+            fit = nearest_fit(preset, rest, gb * 1e9, f"a card of {gb} GB")
+            if fit is None:
+                est = estimate_memory_for(Setup.of(resolve(preset, rest)))["total"]
+                rows.append({"gb": gb, "gpu": gpu, "fp8": fp8, "flags": [], "estimate_gb": est / 1e9, "fits": True})
+            else:
+                flags, _, est = fit
+                rows.append({"gb": gb, "gpu": gpu, "fp8": fp8, "flags": flags, "estimate_gb": est / 1e9,
+                             "fits": bool(flags)})
+    return rows
+
+
 # ---- a run that outlives the command that started it -----------------------------------------------------
 
 def background_folder() -> Path:

@@ -218,36 +218,52 @@ def _flags(change: dict) -> list[str]:
 
 def fit_here(args: list, nproc: int = 1) -> list[str]:
     """`tunekit ARGS...` fitted to this GPU's memory (or TUNEKIT_MEMORY_GB's card): unchanged when the estimated
-    peak of its config fits (tunekit/estimate.py, with the caching allocator's reserve, as `tunekit estimate`
-    counts it); otherwise, said in a line, the nearest config that fits: gradient checkpointing on, then QLoRA
-    with checkpointing, then QLoRA with the checkpoints and embeddings in CPU memory and 8-bit AdamW, each at the
-    largest micro-batch up to the one asked for that the estimator says fits, with the accumulation that keeps
-    the samples of a step. Only `bench` and `train` of a preset; a no-op in smoke mode (on a CPU) and where the
-    estimator does not apply (fp32 steps, `--compare`'s other stacks)."""
+    peak of its config fits, else the nearest config that does, said in a line (`nearest_fit`). Only `bench` and
+    `train` of a preset; a no-op in smoke mode (on a CPU) and where the estimator does not apply (fp32 steps,
+    `--compare`'s other stacks)."""
     args = [str(a) for a in args]
     if not on_gpu() or not args or args[0] not in ("bench", "train"):
         return args
-    from tunekit import cli, fitting
-    from tunekit.config import ConfigError
-    from tunekit.estimate import Setup, estimate_memory_for
-    from tunekit.presets import resolve
+    from tunekit import cli
 
     parsed, rest = cli.make_parser().parse_known_args(args)
     if getattr(parsed, "compare", False):
         return args
+    budget, where = memory_budget()
+    fit = nearest_fit(parsed.preset, rest, budget, where, nproc)
+    if fit is None:
+        return args
+    flags, lines, _ = fit
+    print("\n".join(lines))
+    return [*args, *flags]
+
+
+def nearest_fit(preset: str, rest: list[str], budget: float, where: str = "this GPU",
+                nproc: int = 1) -> tuple[list[str], list[str], float] | None:
+    """The preset PRESET with fields REST fitted to `budget` bytes (a card of that size): None when its estimated
+    peak fits as it is (tunekit/estimate.py, with the caching allocator's reserve, as `tunekit estimate` counts
+    it; None too where the estimator does not apply, fp32 steps say); otherwise (the flags that make the nearest
+    config that fits, the lines that say so, its estimated peak in bytes): gradient checkpointing on, then QLoRA
+    with checkpointing, then QLoRA with the checkpoints and embeddings in CPU memory and 8-bit AdamW, each at the
+    largest micro-batch up to the one asked for that the estimator says fits, with the accumulation that keeps
+    the samples of a step. Nothing here reads the GPU: lesson 5 plans cards it does not have with it."""
+    from tunekit import fitting
+    from tunekit.config import ConfigError
+    from tunekit.estimate import Setup, estimate_memory_for
+    from tunekit.presets import resolve
+
     try:
-        cfg = resolve(parsed.preset, rest)
+        cfg = resolve(preset, rest)
         setup = Setup.of(cfg, world_size=nproc)
         need = estimate_memory_for(setup)["total"]
     except (ConfigError, ValueError):
-        return args
-    budget, where = memory_budget()
+        return None
     factor = fitting.RESERVE_FACTOR
     if need * factor <= budget:
-        return args
-    print(f"does not fit {where}: the estimated peak at micro-batch {cfg.batch_size} x {cfg.max_length} is "
-          f"{need / 1e9:.1f} GB (~{need * factor / 1e9:.1f} GB with the allocator's reserve) against "
-          f"{budget / 1e9:.1f} GB allocatable")
+        return None
+    lines = [(f"does not fit {where}: the estimated peak at micro-batch {cfg.batch_size} x {cfg.max_length} is "
+              f"{need / 1e9:.1f} GB (~{need * factor / 1e9:.1f} GB with the allocator's reserve) against "
+              f"{budget / 1e9:.1f} GB allocatable")]
     low = {"method": "qlora", "grad_ckpt": True, "grad_ckpt_offload": True, "embed_offload": True,
            "optimizer": "adamw8bit"}
     tries = [("gradient checkpointing on" if not cfg.grad_ckpt else "a smaller micro-batch", {"grad_ckpt": True})]
@@ -262,16 +278,16 @@ def fit_here(args: list, nproc: int = 1) -> list[str]:
         if micro < cfg.batch_size:
             change.update(batch_size=micro, grad_accum=fitting.grad_accum_for(cfg.batch_size * cfg.grad_accum, micro))
         try:
-            resolve(parsed.preset, [*rest, *_flags(change)])
+            resolve(preset, [*rest, *_flags(change)])
         except ConfigError:
             continue
         est = estimate_memory_for(setup.but(**{k: v for k, v in change.items() if k != "grad_accum"}))["total"]
-        print(f"running the nearest config that fits instead: {label}, micro-batch {micro}"
-              + (f" x {change['grad_accum']} accumulated" if "grad_accum" in change else "")
-              + f" (estimate {est / 1e9:.1f} GB): {' '.join(_flags(change))}")
-        return [*args, *_flags(change)]
-    print(fitting.cannot_fit_message(setup, budget) + "\nrunning it as asked all the same")
-    return args
+        lines.append(f"running the nearest config that fits instead: {label}, micro-batch {micro}"
+                     + (f" x {change['grad_accum']} accumulated" if "grad_accum" in change else "")
+                     + f" (estimate {est / 1e9:.1f} GB): {' '.join(_flags(change))}")
+        return _flags(change), lines, est
+    lines.append(fitting.cannot_fit_message(setup, budget) + "\nrunning it as asked all the same")
+    return [], lines, need
 
 
 def run(*args: str, check: bool = True, env: dict | None = None, cwd: Path | None = None) -> int:

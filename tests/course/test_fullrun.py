@@ -191,3 +191,13 @@ def test_a_run_s_output_on_the_page_is_its_first_step_each_tenth_and_one_banner(
     again = fullrun.for_the_page()  # the next segment (or run) in this process: its first step, no banner again
     assert [line for line in [banner, "step 17/40: loss 1.0\n", "step 18/40: x\n"] if again(line)] == \
         ["step 17/40: loss 1.0\n"]
+
+
+def test_what_to_run_on_each_card_is_the_estimator_s_nearest_fit():
+    rows = {(r["gb"], r["fp8"]): r for r in fullrun.recipes_by_memory()}
+    assert rows[(141, True)]["flags"] == [] and rows[(141, True)]["fits"]  # the recipe as it is
+    assert rows[(80, False)]["flags"] == [] and rows[(80, True)]["flags"] == []
+    assert not rows[(24, True)]["fits"]  # FP8's two weight copies leave no room on 24 GB
+    assert rows[(24, False)]["flags"] == ["--grad-ckpt=true"] and rows[(24, False)]["estimate_gb"] < 24
+    assert rows[(48, True)]["flags"] == ["--grad-ckpt=true"] and rows[(48, True)]["estimate_gb"] < 48
+    assert (141, False) not in rows  # no card of that size without FP8
