@@ -477,9 +477,9 @@ def _background_pid() -> int | None:
 
 def follow(seconds: float, poll_s: float = 2.0) -> int:
     """Print what the detached run writes, from where the last `follow` stopped, until it ends or `seconds` pass.
-    Returns its exit code once it has ended (0: every run asked for is done; 3: not all of them, start it
-    again), 3 while it goes on (follow again in the next command), 4 when no detached run was started on this
-    machine (a fresh one: start it again with `--detach`)."""
+    Returns 3 while it goes on (follow again in the next command); once it has ended 0 (every run asked for is
+    done), 5 (it ended with some not done: its own exit code 3; start it again), 1 (it failed or was killed); 4
+    when no detached run was started on this machine (a fresh one: start it again with `--detach`)."""
     folder = background_folder()
     if not (folder / "pid").exists():
         print("no detached run on this machine (a fresh one?): start it with python -m tunekit_course.fullrun "
@@ -500,8 +500,9 @@ def follow(seconds: float, poll_s: float = 2.0) -> int:
         if ended:
             exit_file = folder / "exit"
             code = int(exit_file.read_text()) if exit_file.exists() else None
-            print(f"detached run ended: exit code {code if code is not None else 'unknown (it was killed)'}")
-            return 1 if code is None else code
+            print(f"detached run ended: exit code {code if code is not None else 'unknown (it was killed)'}"
+                  + ("; not every run is done: start it again" if code == 3 else ""))
+            return 1 if code is None else 5 if code == 3 else code
         if time.perf_counter() - t0 >= seconds:
             print(f"detached run still going after {seconds:,.0f} s of following: follow it again")
             return 3

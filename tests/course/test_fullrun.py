@@ -112,6 +112,8 @@ def test_a_detached_run_outlives_its_command_and_is_followed_to_its_end(tmp_path
     assert json.loads((notebook.results_dir() / "l5_smoke_a.json").read_text())["steps"] == 6
     assert fullrun.main(["--follow", "600"]) == 0  # followed again: nothing printed twice
     assert "whole runs done" not in capsys.readouterr().out
+    assert fullrun.main(["--detach", "0", "l5_smoke_b"]) == 0  # no time: it ends with the run not done
+    assert fullrun.main(["--follow", "600"]) == 5 and "start it again" in capsys.readouterr().out
     assert fullrun.main(["--waterfall", "60", "9-2"]) == 2  # the waterfall's command, which --detach can run
     assert "bars are numbered 0 to" in capsys.readouterr().err
 
