@@ -10,6 +10,12 @@ runner, the lessons' experiments) is the separate package `tunekit_course`, whic
 
 __version__ = "0.1.0"
 
+import warnings
+
+# torchao's source holds an invalid escape in a docstring: Python warns once, when it first compiles the module
+# (on a fresh install, inside a run or a lesson's output), about torchao's code, not the user's.
+warnings.filterwarnings("ignore", category=SyntaxWarning, module=r".*torchao")
+
 # The public surface a script needs. The functions import their modules on first call, so `import tunekit`
 # stays cheap. (`tunekit.train` is the training-loop module; its entry point is `finetune` here.)
 from tunekit.config import ConfigError, TuneConfig, load_config

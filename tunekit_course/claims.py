@@ -787,8 +787,15 @@ def reference_table(rs: dict[str, dict], cite: dict[str, dict] | None = None) ->
                  else "-" for s in names]
         rows.append(f"| {next(iter(by_stack.values()))['setup']} (`{match}`) | {_tps(r['tokens_per_s'])} tok/s, "
                     f"{r['peak_memory_gb']:.2f} GB | " + " | ".join(cells) + f" | {vs} |")
-    sources = sorted({e["source"].split(",")[0] for v in stacks.values() for e in v.values()})
+    sources = sorted({_source_name(e["source"]) for v in stacks.values() for e in v.values()})
     return "\n".join(rows) + "\n\nCited figures: " + "; ".join(sources) + " (`notebooks/cited.json`)."
+
+
+def _source_name(source: str) -> str:
+    """A cited figure's source as a page names it: its first part, but a file outside the repository (the lab's
+    notes of the GPU machine, which the result file names) as what it is."""
+    first = source.split(",")[0]
+    return "the course's reference measurements on the H200" if first.startswith("../") else first
 
 
 # ---- the README ------------------------------------------------------------------------------------------------

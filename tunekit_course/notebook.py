@@ -790,7 +790,7 @@ def lesson5_prepare(gpu: bool) -> None:
     tokenizer = build_tokenizer(cfg)
     if gpu:
         path = mdl.save_random_init(run_arch(cfg, len(tokenizer)), torch.bfloat16, cfg.seed)
-        print(f"random-init weights for QLoRA's 4-bit load: {shown(path)}")
+        print(f"random-init weights for QLoRA's 4-bit load: {path.name} in the model cache")
 
 
 def lesson5_plan(gpu: bool, fraction: float = LESSON5_FRACTION) -> list[tuple[str, list, str]]:

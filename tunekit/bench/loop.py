@@ -73,8 +73,8 @@ def run_train_loop(cfg: TuneConfig, name: str = "", verbose: bool = True) -> dic
         raise ValueError(f"bench_max_steps ({steps}) must exceed bench_warmup ({cfg.bench_warmup}) by at least 3")
     verbose = verbose and distributed.is_main()
     if verbose:
-        print(f"training {steps} steps of `tunekit train --preset {cfg.preset}` on {cfg.data} in "
-              f"{_scratch_dir('train-loop')} ...", flush=True)
+        print(f"training {steps} steps of `tunekit train --preset {cfg.preset}` on {cfg.data} in a scratch "
+              "folder, removed afterwards ...", flush=True)
     run = dataclasses.replace(cfg, log_every=1, save_every=0, max_steps=max(cfg.max_steps, steps), epochs=0.0)
     done = _train_in_scratch(run, "train-loop", stop_after=steps, progress=False)
     if done is None:
