@@ -54,13 +54,14 @@ def for_the_page():
     metrics.jsonl keeps every one): a step line for the segment's first step, each tenth of the run and the last;
     any other line once per process, so the banner every run prints (its model, attention backend, dtype) shows
     once however many runs a lesson makes, and every line that differs shows."""
-    first = [True]
+    first = True
 
     def keep(line: str) -> bool:
+        nonlocal first
         if m := _STEP_LINE.match(line):
             step, total = int(m[1]), int(m[2])
-            show = first[0] or step == total or step % max(1, total // 10) == 0
-            first[0] = False
+            show = first or step == total or step % max(1, total // 10) == 0
+            first = False
             return show
         if not line.strip():
             return True
@@ -146,6 +147,12 @@ def steady_tokens_per_s(rows: list[dict], firsts: set[int]) -> float:
     return tokens / seconds if seconds > 0 else 0.0
 
 
+def p10_p90(values: list[float]) -> tuple[float, float]:
+    """The 10th and 90th percentile of `values` (some), as the lessons report a spread."""
+    values = sorted(values)
+    return values[len(values) // 10], values[9 * len(values) // 10]
+
+
 def derived_fields(rows: list[dict], segs: list[dict]) -> dict:
     """What a run's logged rows give: steady tokens/s, the 10th-90th percentile of the rows' tokens/s (the
     spread within the run), and the curve the lesson draws ([step, loss, tokens/s, seconds since the
@@ -153,7 +160,7 @@ def derived_fields(rows: list[dict], segs: list[dict]) -> dict:
     firsts = {s["first_step"] for s in segs if s["first_step"] is not None}
     per = sorted(row["tok_per_s"] for _, row in _steady_rows(rows, firsts))
     return {"tokens_per_s": round(steady_tokens_per_s(rows, firsts), 1),
-            "tok_per_s_p10_p90": [per[len(per) // 10], per[9 * len(per) // 10]] if per else None,
+            "tok_per_s_p10_p90": list(p10_p90(per)) if per else None,
             "curve": [[r["step"], round(r["loss"], 4), r["tok_per_s"], r["elapsed_s"]] for r in rows]}
 
 

@@ -17,7 +17,15 @@ import sys
 import time
 from pathlib import Path
 
-from tunekit_course.fullrun import derived_fields, done, logged_rows, run_folder, run_segment, segments
+from tunekit_course.fullrun import (
+    derived_fields,
+    done,
+    logged_rows,
+    p10_p90,
+    run_folder,
+    run_segment,
+    segments,
+)
 
 # (label, the fields the change sets); each bar keeps the changes before it. The first five are the article's
 # items (ending at article_checklist; its FlashAttention is SDPA's flash kernel, which the before runs already),
@@ -112,11 +120,6 @@ def gpu_uuid() -> str | None:
     return str(uuid) if uuid is not None else None
 
 
-def _quantiles(values: list[float]) -> tuple[float, float]:
-    values = sorted(values)
-    return values[len(values) // 10], values[9 * len(values) // 10]
-
-
 def _block_rates(bar: dict, blocks: int = 3) -> list[float]:
     """A bar's steady real tokens/s over `blocks` consecutive runs of its steps after the first (its rate's own
     wobble: each block is a different stretch of the data)."""
@@ -140,7 +143,7 @@ def bar_change(before: dict, bar: dict) -> dict:
     n = min(len(before["row_tokens"]), len(bar["row_tokens"]))
     if n > 2 and before["row_tokens"][:n] == bar["row_tokens"][:n]:
         steps = [b[2] / a[2] for a, b in zip(before["curve"][1:n], bar["curve"][1:n]) if a[2] and b[2]]
-        low, high = _quantiles(steps)
+        low, high = p10_p90(steps)
         how = f"step by step over the same {len(steps)} batches (10th-90th percentile)"
     else:
         mine, theirs = _block_rates(bar), _block_rates(before)
