@@ -153,6 +153,33 @@ def p10_p90(values: list[float]) -> tuple[float, float]:
     return values[len(values) // 10], values[9 * len(values) // 10]
 
 
+# what decides a run's batches and their order: two runs that agree on these (and on the tokens they saw) trained
+# on the same batches, step for step
+BATCHING = ("data", "seed", "batch_size", "grad_accum", "max_length", "packing", "epochs", "max_steps")
+
+
+def steady_vs(run: dict, base: dict) -> tuple[float, float | None, float | None, str]:
+    """`run`'s steady real tokens/s over `base`'s, as (ratio, low, high, how the spread was taken). Where the two
+    trained on the same batches in the same order (`BATCHING` and the tokens seen agree: recipes that leave the
+    batching alone), the spread is the 10th-90th percentile of the step-by-step ratios, each step against the
+    same step of the other, a segment's first step (the compile's) left out; otherwise it is each run's own
+    10th-90th percentile, lowest over highest and highest over lowest. No spread (None) where neither is known."""
+    ratio = run["tokens_per_s"] / base["tokens_per_s"]
+    mine, theirs = run.get("config") or {}, base.get("config") or {}
+    if run.get("tokens_seen") == base.get("tokens_seen") and all(mine.get(k) == theirs.get(k) for k in BATCHING):
+        firsts = {s.get("first_step") for r in (run, base) for s in r.get("segments") or []}
+        other = {row[0]: row[2] for row in base.get("curve") or []}
+        steps = [row[2] / other[row[0]] for row in run.get("curve") or []
+                 if row[0] not in firsts and other.get(row[0]) and row[2]]
+        if len(steps) > 2:
+            low, high = p10_p90(steps)
+            return ratio, low, high, f"step by step over the same {len(steps)} steps, 10th-90th percentile"
+    if run.get("tok_per_s_p10_p90") and base.get("tok_per_s_p10_p90"):
+        (low, high), (b_low, b_high) = run["tok_per_s_p10_p90"], base["tok_per_s_p10_p90"]
+        return ratio, low / b_high, high / b_low, "from each run's own 10th-90th percentile: other batches"
+    return ratio, None, None, "no spread recorded"
+
+
 def derived_fields(rows: list[dict], segs: list[dict]) -> dict:
     """What a run's logged rows give: steady tokens/s, the 10th-90th percentile of the rows' tokens/s (the
     spread within the run), and the curve the lesson draws ([step, loss, tokens/s, seconds since the
@@ -362,14 +389,19 @@ def summary(whole: dict[str, dict]) -> list[str]:
         n = round(r["epochs_seen"])
         return f"{n} epoch{'s' if n != 1 else ''}" if n else f"{r['epochs_seen']:.2f} of an epoch"
 
+    def steady(r: dict) -> str:  # r's steady rate over the before's, its spread, and what 14 days become
+        ratio, low, high, _ = steady_vs(r, before)
+        spread = f" ({low:.1f}-{high:.1f}x)" if low is not None else ""
+        return (f"{ratio:.1f}x{spread} the before's real tokens a second: at those rates a 14-day run of the "
+                f"before's steps takes {14 / ratio:.1f} days (a projection from the measured rates)")
+
     out = []
     if before and check:
         first = check["curve"][0][3] if check.get("curve") else None
         out.append(f"The article's checklist, as written: {epochs(check)} in {minutes(check)} against the before's "
-                   f"{minutes(before)}, {before['wall_s'] / check['wall_s']:.1f}x by wall-clock (the article claims "
-                   f"{14 / 3:.2f}x); its steady steps ran {check['tokens_per_s'] / before['tokens_per_s']:.1f}x the "
-                   "before's real tokens a second" + (f", after a first step that ended {first:.0f} s into the run "
-                                                      "(the whole-model compile)" if first else "") + ".")
+                   f"{minutes(before)}, {before['wall_s'] / check['wall_s']:.1f}x by wall-clock"
+                   + (f", its first step ending {first:.0f} s into the run (the whole-model compile)" if first else "")
+                   + f"; its steady steps ran {steady(check)}, where the article claims 3 ({14 / 3:.2f}x).")
     else:
         out.append("The checklist against the before (the article's claim) needs both whole runs: "
                    + ", ".join(n for n, r in (("l5_article_before", before), ("l5_article_checklist", check))
@@ -377,9 +409,9 @@ def summary(whole: dict[str, dict]) -> list[str]:
     if before and tk:
         per_epoch, before_epoch = tk["wall_s"] / tk["epochs_seen"], before["wall_s"] / before["epochs_seen"]
         out.append(f"tunekit's recipe: {epochs(tk)} in {minutes(tk)} ({per_epoch / 60:.1f} min an epoch on average, "
-                   f"{before_epoch / per_epoch:.1f}x the before's epoch); steady {tk['tokens_per_s'] / before['tokens_per_s']:.1f}x the before's "
-                   "real tokens a second" + (f", {tk['tokens_per_s'] / check['tokens_per_s']:.1f}x the checklist's "
-                                             "(what the course adds to the article)" if check else "") + ".")
+                   f"{before_epoch / per_epoch:.1f}x the before's epoch); steady {steady(tk)}"
+                   + (f"; {tk['tokens_per_s'] / check['tokens_per_s']:.1f}x the checklist's rate (what the course "
+                      "adds to the article)" if check else "") + ".")
     if tk and card:
         out.append(f"On a 24 GB card (this GPU capped at 24 GB; speeds are this GPU's): {epochs(card)} in "
                    f"{minutes(card)}, steady {card['tokens_per_s'] / tk['tokens_per_s']:.0%} of the whole card's rate, "

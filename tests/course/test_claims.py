@@ -129,13 +129,21 @@ def test_c16_is_the_checklist_s_whole_epoch_over_the_before_s():
     assert v.verdict.startswith("unmeasured") and "the checklist's steps ran at 5,000 real tok/s (2.5x the " \
         "before's) in a run stopped at step 100, whose first step ended 423 s after its start" in v.evidence
     del rs["l5_article_checklist_stopped"]
+    # judged on the steady steps (a 14-day run's), the one epoch's wall-clock beside it, however it came out
+    rs["l5_article_checklist"] = run("l5_article_checklist", 800, 6000, curve=[[1, 11.0, 17, 511.0]])
+    v = claims.judge("C16", rs)
+    assert v.verdict == ("partly: 3.0x in steady steps, so 14 days of the before's become 4.7, not 3; one GSM8K "
+                         "epoch 0.8x by wall-clock, its compile included")
+    assert "0.75x the before's by wall-clock (its first step done 511 s after its start" in v.evidence
+    assert "a 14-day run of the before's steps would be 4.7 days of the checklist's" in v.evidence
     rs["l5_article_checklist"] = run("l5_article_checklist", 240, 3000)
-    assert claims.judge("C16", rs).verdict == "partly: 2.5x (the article's floor, 2x, holds)"
-    rs["l5_article_checklist"] = run("l5_article_checklist", 120, 6000)
+    assert claims.judge("C16", rs).verdict.startswith("not here: 1.5x in steady steps")
+    rs["l5_article_checklist"] = run("l5_article_checklist", 120, 10000)
     rs["l5_tunekit"] = run("l5_tunekit", 300, 20000, [[40, 4.8], [80, 4.2]], [[40, 5.0, 20000, 90.0]])
     v = claims.judge("C16", rs)
-    assert v.verdict == "holds: 5.0x" and "3.0x the before's" in v.evidence
+    assert v.verdict.startswith("holds: 5.0x in steady steps") and "5.00x the before's" in v.evidence
     assert "first epoch's steps done 90 s after its start" in v.evidence and "10.0x the before's" in v.evidence
+    assert "2.0x the checklist's" in v.evidence
     assert "1.4 days of tunekit's (a projection from the measured rates, not a run)" in v.evidence
     assert v.files == ("l5_article_before", "l5_article_checklist", "l5_tunekit")
     assert claims.judge("C16", {}).verdict == "unmeasured"

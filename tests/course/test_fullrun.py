@@ -166,10 +166,11 @@ def test_the_lesson_s_summary_is_read_from_the_runs_and_says_what_is_missing():
     lines = fullrun.summary({"l5_article_before": before, "l5_article_checklist": check, "l5_tunekit": tk,
                              "l5_tunekit_24gb": card})
     assert lines[0].startswith("The article's checklist, as written: 1 epoch in 4.0 min against the before's 8.0 min, "
-                               "2.0x by wall-clock (the article claims 4.67x); its steady steps ran 2.5x")
-    assert "ended 400 s into the run" in lines[0]
+                               "2.0x by wall-clock, its first step ending 400 s into the run")
+    assert "its steady steps ran 2.5x the before's real tokens a second: at those rates a 14-day run of the " \
+           "before's steps takes 5.6 days (a projection from the measured rates), where the article claims 3" in lines[0]
     assert "3 epochs in 4.0 min (1.3 min an epoch on average, 6.0x the before's epoch); steady 12.0x" in lines[1]
-    assert "4.8x the checklist's" in lines[1]
+    assert "takes 1.2 days" in lines[1] and "4.8x the checklist's" in lines[1]
     assert "steady 50% of the whole card's rate, peak 22.5 GB" in lines[2]
     assert lines[3] == ("Peak GPU memory: l5_article_before 8.6 GB, l5_article_checklist 17.0 GB, l5_tunekit 62.0 GB, "
                         "l5_tunekit_24gb 22.5 GB.")
@@ -193,6 +194,24 @@ def test_a_run_s_output_on_the_page_is_its_first_step_each_tenth_and_one_banner(
     again = fullrun.for_the_page()  # the next segment (or run) in this process: its first step, no banner again
     assert [line for line in [banner, "step 17/40: loss 1.0\n", "step 18/40: x\n"] if again(line)] == \
         ["step 17/40: loss 1.0\n"]
+
+
+def test_a_recipe_s_steady_gain_pairs_steps_where_the_batches_are_the_same():
+    """Two recipes that leave the batching alone saw the same batches step by step: the spread of their ratio is
+    the 10th-90th percentile of the step-by-step ratios (a segment's first step, the compile's, left out);
+    recipes that batch differently fall back on each run's own spread; none known, none told."""
+    cfg = {"data": "gsm8k", "seed": 0, "batch_size": 8, "grad_accum": 7, "max_length": 2048, "packing": "pad",
+           "epochs": 1.0, "max_steps": 12}
+    base = {"tokens_per_s": 1000.0, "tokens_seen": 99, "config": cfg, "segments": [{"first_step": 1}],
+            "curve": [[i, 9.0, 1000.0 + 10 * i, 1.0] for i in range(1, 13)], "tok_per_s_p10_p90": [900.0, 1100.0]}
+    run = {**base, "tokens_per_s": 3000.0, "segments": [{"first_step": 1}], "tok_per_s_p10_p90": [2500.0, 3300.0],
+           "curve": [[1, 9.0, 5.0, 500.0], *([i, 9.0, 3 * (1000.0 + 10 * i) * (1.1 if i % 2 else 0.9), 1.0]
+                                              for i in range(2, 13))]}
+    ratio, low, high, how = fullrun.steady_vs(run, base)
+    assert ratio == 3.0 and (low, high) == pytest.approx((2.7, 3.3)) and "same 11 steps" in how
+    packed = {**run, "config": {**cfg, "packing": "pack"}}  # other batches: each run's own spread
+    assert fullrun.steady_vs(packed, base)[1:3] == pytest.approx((2500 / 1100, 3300 / 900))
+    assert fullrun.steady_vs({"tokens_per_s": 10.0}, {"tokens_per_s": 5.0}) == (2.0, None, None, "no spread recorded")
 
 
 def test_what_to_run_on_each_card_is_the_estimator_s_nearest_fit():
