@@ -7,7 +7,9 @@ bar before it (`bar_change`): step by step where both ran the same batches, so t
 and a change inside the spread says so; bars measured on different GPUs are not compared. The whole waterfall is
 more than a GPU session of 30 minutes can hold (an estimate: ~90 s a bar, the whole-model compile's bar ~8
 minutes), so it goes in parts, each part's bars on one GPU: `python -m tunekit_course.waterfall SECONDS
-[FIRST-LAST]` goes on where the last command stopped, with the bars FIRST to LAST (their numbers) only.
+[FIRST-LAST]` goes on where the last command stopped, with the bars FIRST to LAST (their numbers) only. A part
+that starts after the first bar, on a GPU that has not measured the bar before it, measures that bar again first
+(`with_reference`, saved as NAME_again): the part's first change is read against a bar from its own GPU.
 """
 
 from __future__ import annotations
@@ -205,6 +207,61 @@ def bar_range(text: str) -> list[tuple[str, str, list[str]]]:
     return runs[first:last + 1]
 
 
+AGAIN = "_again"  # a bar measured a second time, on the GPU of the part after it: that part's first reference
+
+
+def with_reference(runs: list[tuple[str, str, list[str]]]) -> list[tuple[str, str, list[str]]]:
+    """`runs`, a range of the bars, with the bar before its first measured again ahead of it as NAME_again where
+    this GPU has no result of that bar (a part of the waterfall on a fresh machine): each bar is read against the
+    one before it on the same GPU, and two machines of one model differ by more than many changes do. Nothing is
+    added to a range that starts at the first bar or whose reference this GPU measured already."""
+    from tunekit_course import notebook
+
+    bars = waterfall_runs()
+    first = next(i for i, (name, _, _) in enumerate(bars) if name == runs[0][0]) if runs else 0
+    if first == 0:
+        return runs
+    name, label, args = bars[first - 1]
+    for kept in (name, name + AGAIN):
+        path = notebook.results_dir() / f"{kept}.json"
+        if path.exists() and json.loads(path.read_text()).get("gpu_uuid") == gpu_uuid():
+            return runs
+    return [(name + AGAIN, f"{label} (again, on the GPU of the bars after it)", args), *runs]
+
+
+def reference(results: dict[str, dict], name: str) -> dict | None:
+    """The result the bar `name` is read against, from `results` ({name: result}): the bar before it as measured
+    on the same GPU, its second measurement (NAME_again) where only that one was; else the bar before it as it is
+    (`bar_change` then says it is not compared), None for the first bar or a bar before it not measured."""
+    names = [bar for bar, _, _ in waterfall_runs()]
+    i = names.index(name)
+    if i == 0:
+        return None
+    mine = (results.get(name) or {}).get("gpu_uuid")
+    candidates = [r for r in (results.get(names[i - 1]), results.get(names[i - 1] + AGAIN)) if r]
+    return next((r for r in candidates if r.get("gpu_uuid") == mine), candidates[0] if candidates else None)
+
+
+def shown(mine: dict[str, dict], published: dict[str, dict] | None = None
+          ) -> list[tuple[str, str, dict | None, dict | None, str]]:
+    """What the lesson draws and prints, a bar a row: (name, label, its result here, its published result, its
+    change against the bar before it (`reference`, `describe_change`), "" for the first bar or where the bar
+    before it is not measured). A bar measured here is read against the bars measured here, the published ones
+    where those are missing (and then not compared: other GPUs); a published bar against the published ones.
+    `published` defaults to the published results of the bars and their second measurements."""
+    from tunekit_course import notebook
+
+    names = [name for name, _, _ in waterfall_runs()]
+    if published is None:
+        published = {n: r for n in names + [n + AGAIN for n in names] if (r := notebook.published(n))}
+    rows = []
+    for name, label, _ in waterfall_runs():
+        r, p = mine.get(name), published.get(name)
+        ref = reference({**published, **mine} if r else published, name) if (r or p) else None
+        rows.append((name, label, r, p, describe_change(ref, r or p) if ref else ""))
+    return rows
+
+
 def main(argv: list[str]) -> int:
     # python -m tunekit_course.waterfall BUDGET_SECONDS [FIRST-LAST]   the bars (those numbered FIRST to LAST) not
     # measured yet, for at most that long (exit code 3: not all measured, go on in the next command)
@@ -214,7 +271,7 @@ def main(argv: list[str]) -> int:
         print("usage: python -m tunekit_course.waterfall BUDGET_SECONDS [FIRST-LAST]", file=sys.stderr)
         return 2
     try:
-        runs = bar_range(argv[1]) if len(argv) == 2 else waterfall_runs()
+        runs = with_reference(bar_range(argv[1])) if len(argv) == 2 else waterfall_runs()
     except ValueError as e:
         print(f"waterfall: {e}", file=sys.stderr)
         return 2

@@ -83,3 +83,33 @@ def test_bars_are_chosen_by_their_numbers():
         with pytest.raises(ValueError, match=repr(bad)):
             waterfall.bar_range(bad)
     assert waterfall.main(["60", "9-2"]) == 2
+
+
+def test_a_part_on_another_gpu_measures_its_reference_bar_again(tmp_path, monkeypatch):
+    """A range that starts after the first bar, on a GPU with no result of the bar before it, measures that bar
+    again first (NAME_again); the lesson then reads the part's first bar against it, not against the other
+    GPU's, and a range whose reference was measured on this GPU gets nothing added."""
+    from tunekit_course import notebook
+
+    monkeypatch.setenv("TUNEKIT_SMOKE", "1")
+    monkeypatch.setattr(notebook, "RUNS", tmp_path)
+    runs = waterfall.waterfall_runs()
+    assert waterfall.with_reference(waterfall.bar_range("0-5")) == runs[:6]  # the first bar has no reference
+    part = waterfall.with_reference(waterfall.bar_range("6-8"))
+    assert [name for name, _, _ in part] == ["l5w_05_again", "l5w_06", "l5w_07", "l5w_08"]
+    assert part[0][2] == runs[5][2] and part[0][1].startswith(runs[5][1])  # the same bar, measured again
+    notebook.results_dir().mkdir(parents=True)
+    (notebook.results_dir() / "l5w_05.json").write_text(json.dumps({"gpu_uuid": waterfall.gpu_uuid()}))
+    assert waterfall.with_reference(waterfall.bar_range("6-8")) == runs[6:9]  # measured here already
+
+    tokens = [1000] * 30
+    first = {"l5w_04": _bar([2000.0] * 30, tokens, "GPU-1"), "l5w_05": _bar([3000.0] * 30, tokens, "GPU-1")}
+    second = {"l5w_05_again": _bar([3300.0] * 30, tokens, "GPU-2"), "l5w_06": _bar([6600.0] * 30, tokens, "GPU-2")}
+    results = {**first, **second}
+    assert waterfall.reference(results, "l5w_06") is second["l5w_05_again"]  # its own GPU's
+    assert waterfall.reference(results, "l5w_05") is first["l5w_04"] and waterfall.reference(results, "l5w_00") is None
+    rows = {name: row for name, *row in waterfall.shown({}, results)}
+    assert rows["l5w_06"][3].startswith("2.00x the bar before") and rows["l5w_05"][3].startswith("1.50x")
+    assert rows["l5w_00"][3] == "" and rows["l5w_07"] == [runs[7][1], None, None, ""]
+    mine = {"l5w_06": _bar([6000.0] * 30, tokens, "GPU-3")}  # measured here, the bar before it only published
+    assert "not compared" in {n: row for n, *row in waterfall.shown(mine, results)}["l5w_06"][3]
