@@ -26,7 +26,9 @@ GPU architecture); `torch.nn.attention.sdpa_kernel` restricts and reorders them
 - `efficient`: the memory-efficient kernel from xFormers (CUDA only); it also takes arbitrary masks.
 - `math`: the unfused composite of matmuls and softmax; runs anywhere, as slow as eager.
 
-PyTorch's default order puts cuDNN last (torch 2.13: flash, efficient, math, cuDNN). The project measured
+PyTorch's own choice, with no order given, follows a priority list in its C++ that has moved between versions
+and depends on the GPU: on the H200 image (torch 2.11, cuDNN 9.19) SDPA picked cuDNN's kernel for the 7B shape,
+on this project's CPU build flash. `default_sdpa_kernel` says which it picks here, at given shapes. The project measured
 the four on one Hopper GPU, an H200 (`bench.ops.benchmark_attention`, causal forward + backward at B8 H32 S2048 D128 in
 bf16; notebooks/results/l2_attention_ops.json): there cuDNN's kernel was the fastest of them, and
 `test_attention.py` checks that `HOPPER_ORDER` still follows that file. So `auto` puts cuDNN first on sm90+
@@ -171,8 +173,8 @@ def sdpa_backends(requested: str, device: str) -> tuple[list[SDPBackend] | None,
             return None, f"{default} (cuDNN attention does not run here: {err})"
         return [SDPA_BACKENDS[n] for n in HOPPER_ORDER], (
             f"sdpa_backend=auto: {','.join(HOPPER_ORDER)} on sm{cap[0]}{cap[1]} (Hopper: cuDNN first, the fastest "
-            f"SDPA kernel in {ATTENTION_OPS_RESULT}, measured on an H200; PyTorch's own order puts it last. "
-            "Re-measure on this GPU with attention.benchmark_attention)")
+            f"SDPA kernel in {ATTENTION_OPS_RESULT}, measured on an H200. Re-measure on this GPU with "
+            "attention.benchmark_attention)")
     bad = [n for n in names if n not in SDPA_BACKENDS]
     if bad:
         raise ValueError(f"sdpa_backend={requested!r}: unknown backend {bad[0]!r}; choose {allowed}.")
@@ -199,6 +201,22 @@ def sdpa_context(backends: list[SDPBackend] | None):
     if backends is None:
         return contextlib.nullcontext()
     return sdpa_kernel(list(backends), set_priority=True)
+
+
+def default_sdpa_kernel(batch: int = 8, heads: int = 32, seq: int = 2048, head_dim: int = 128,
+                        device: str | None = None, dtype: torch.dtype | None = None, causal: bool = True) -> str | None:
+    """The SDPA kernel PyTorch picks by itself (no `sdpa_kernel` order) for causal attention at this shape, by
+    name (`cudnn`, `flash`, `efficient`, `math`): what a plain `transformers` model, whose default attention is
+    SDPA, runs. Asks PyTorch's own selector (`torch._fused_sdp_choice`, private: None where it is missing or
+    names a kernel outside these four)."""
+    choose = getattr(torch, "_fused_sdp_choice", None)
+    if choose is None:
+        return None
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = dtype or (torch.bfloat16 if _kind(device) == "cuda" else torch.float32)
+    q = torch.empty(batch, heads, seq, head_dim, device=device, dtype=dtype)
+    picked = choose(q, q, q, is_causal=causal)
+    return next((name for name, b in SDPA_BACKENDS.items() if int(b.value) == int(picked)), None)
 
 
 # ---- the op microbenchmark ------------------------------------------------------------------------

@@ -73,8 +73,10 @@ def llama7b_after(**overrides) -> TuneConfig:
 
 def article_before(**overrides) -> TuneConfig:
     """The article's "before" on the stack a plain HF + PEFT user has by default: tokenized in the loop by a
-    default DataLoader, batches padded to their longest sample, SDPA attention in PyTorch's kernel order
-    (transformers' default), the plain loss over full logits, no TF32, no compile, torch's AdamW as constructed
+    default DataLoader, batches padded to their longest sample, SDPA attention (transformers' default) with
+    flash, efficient, math, cuDNN as its kernel order (PyTorch's documented order; PyTorch's own choice varies
+    with version and GPU: on the H200 image, torch 2.11, it picks cuDNN's kernel, which ran 1.03x flash's in
+    lesson 2's LoRA step, see `attention.default_sdpa_kernel`), the plain loss over full logits, no TF32, no compile, torch's AdamW as constructed
     by default (foreach); QLoRA with checkpointing for memory, with peft's k-bit preparation and input casts.
     8 samples x 7 micro-batches a step. One epoch."""
     return TuneConfig(**{**_llama7b(preset="article_before", method="qlora", grad_ckpt=True, peft_kbit_prepare=True,
@@ -90,8 +92,8 @@ def article_before(**overrides) -> TuneConfig:
 ARTICLE_ITEMS = {
     "tokenize": "offline",  # C1: datasets.map, ahead of training
     "num_workers": 2, "pin_memory": True, "prefetch_factor": 4, "persistent_workers": True,  # C2's DataLoader
-    # C9, FlashAttention: SDPA's flash kernel, first in torch's order, which the before already has (the flash-attn
-    # package has no wheel for the H200 image). SDPA restricted to flash alone cannot run this checklist: under
+    # C9, FlashAttention: SDPA's flash kernel first, which the before has already (the flash-attn package has no
+    # wheel for the H200 image). SDPA restricted to flash alone cannot run this checklist: under
     # torch.compile(model) transformers builds the causal mask as a tensor, and flash takes no mask
     "sdpa_backend": "flash,efficient,math,cudnn",
     "tf32": True,  # C13
@@ -104,7 +106,7 @@ def article_checklist(**overrides) -> TuneConfig:
     """The article's checklist as written: `article_before` with every item the article lists
     (`ARTICLE_ITEMS`: offline tokenization, its DataLoader settings, FlashAttention, TF32, torch.compile, 8-bit
     AdamW) and nothing it does not: the same padded batches, QLoRA with checkpointing, accumulation. One epoch.
-    FlashAttention is SDPA's flash kernel in torch's order, as in the before: what a plain HF user has without the
+    FlashAttention is SDPA's flash kernel first, as in the before: what a plain HF user can turn on without the
     flash-attn package."""
     return article_before(**{**ARTICLE_ITEMS, "preset": "article_checklist", **overrides})
 

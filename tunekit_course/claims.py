@@ -231,15 +231,15 @@ def c7(rs: dict[str, dict]) -> Verdict:
                    f"{fit['micro_batch']} (`tunekit fit`)", (guides["name"], ours["name"], fit["name"]))
 
 
-CAPPED_CARD_GB = 24  # the memory-limited card of C8's second half (the H200 capped: TUNEKIT_MEMORY_GB=24)
+CAPPED_CARD_GB = 24  # the memory-limited card of C8's second half: the GPU capped at 23 GB, as for C7
 
 
 def c8(rs: dict[str, dict]) -> Verdict:
     """Checkpointing's memory, cost and "faster overall at twice the batch", first on this card (LoRA at batch 4
     without it against 4 and 8 with it), then on the card the article has in mind, one whose memory limits the
     batch: QLoRA under a 24 GB cap at batch 1 without checkpointing (all that fits without it) against batch 2
-    with it (`l2_qlora_b1_cap24`, `l2_qlora_ckpt_b2_cap24`: `TUNEKIT_MEMORY_GB=24 tunekit bench --preset
-    llama7b_qlora ...`). The verdict names the card each part was judged on; the capped part reads unmeasured,
+    with it (`l2_qlora_b1_cap24`, `l2_qlora_ckpt_b2_cap24`: lesson 2's C8 cell, or `TUNEKIT_MEMORY_GB=23 tunekit
+    bench --preset llama7b_qlora ...`). The verdict names the card each part was judged on; the capped part reads unmeasured,
     with the estimator's reason, until it ran."""
     off, on, on2 = rs["l2_lora_b4"], rs["l2_lora_ckpt_b4"], rs["l2_lora_ckpt_b8"]
     saved = 1 - on["peak_memory_gb"] / off["peak_memory_gb"]
@@ -259,7 +259,8 @@ def c8(rs: dict[str, dict]) -> Verdict:
         r2, words2 = compare(small2, small, noise_results(rs))
         faster2 = r2 > 1 and "noise" not in words2
         capped = f"{'faster' if faster2 else 'not faster'} overall at twice the batch on a {CAPPED_CARD_GB} GB card"
-        evidence += (f"; on a {CAPPED_CARD_GB} GB card (this GPU capped), QLoRA at batch 1 without checkpointing "
+        cap = f", capped at {small['memory_cap_gb']:g} GB" if small.get("memory_cap_gb") else ""
+        evidence += (f"; on a {CAPPED_CARD_GB} GB card (this GPU{cap}), QLoRA at batch 1 without checkpointing "
                      f"(the most that fits without it) {_tps(small['tokens_per_s'])} tok/s, "
                      f"{small['peak_memory_gb']:.1f} GB; at batch 2 with it {_tps(small2['tokens_per_s'])} tok/s, "
                      f"{small2['peak_memory_gb']:.1f} GB: {words2}")
@@ -281,9 +282,9 @@ def c8(rs: dict[str, dict]) -> Verdict:
 
 def c9(rs: dict[str, dict]) -> Verdict:
     """FlashAttention 2 against eager attention, the article's comparison, and against what a plain
-    `transformers` user runs already: SDPA, transformers' default, whose own choice on a GPU that has the flash
-    kernel is that kernel (PyTorch tries flash first), so "turning FlashAttention on" changes nothing there; the
-    kernel SDPA would pick, measured alone (`l2_attn_sdpa_flash`), stands for it."""
+    `transformers` user runs already: SDPA (transformers' default) with PyTorch's own kernel choice, recorded in
+    `l2_attention_ops` as `default_choice` (`attention.default_sdpa_kernel` at the step's shape); the step with
+    that kernel alone stands for it. Without the record that half reads unmeasured."""
     eager, flash, cudnn = rs["l2_attn_eager"], rs["l2_attn_sdpa_flash"], rs["l2_attn_sdpa_cudnn"]
     ops = {r["backend"]: r for r in rs["l2_attention_ops"]["causal"] if r["status"] == "ok"}
     speed = flash["tokens_per_s"] / eager["tokens_per_s"] - 1
@@ -292,16 +293,27 @@ def c9(rs: dict[str, dict]) -> Verdict:
     shape = rs["l2_attention_ops"]["shape"]
     op = ", ".join(f"{b} {ops[b]['ms_fwd_bwd']:.2f} ms" for b in ("cudnn", "flash", "eager") if b in ops)
     against_eager = "holds, and more" if speed > 0.5 else "holds" if speed >= 0.3 else "does not hold"
-    verdict = (f"{against_eager} against eager attention ({speed:+.0%}); against transformers' default (SDPA, "
-               "already the flash kernel here) nothing to gain")
-    return Verdict("C9", verdict,
+    files = [eager["name"], flash["name"], cudnn["name"], "l2_attention_ops"]
+    default = rs["l2_attention_ops"].get("default_choice")
+    plain = rs.get(f"l2_attn_sdpa_{default}") if default else None
+    if plain is not None:
+        ratio, words = compare(flash, plain, noise_results(rs))
+        against_default = (f"against transformers' default (SDPA, which picks {default}'s kernel here) "
+                           + ("nothing to gain: the same kernel" if plain is flash else f"{words}"))
+        default_text = (f"a plain transformers user runs SDPA already (its default), and PyTorch picks {default}'s "
+                        "kernel for it at this shape" + ("" if plain is flash else
+                                                         f": forcing FlashAttention runs at {words} that speed"))
+        files.append(plain["name"])
+    else:
+        against_default = "against transformers' default (SDPA), unmeasured: its own kernel choice not recorded"
+        default_text = ("a plain transformers user runs SDPA already (its default); which kernel PyTorch picks for "
+                        "it at this shape is not recorded here")
+    return Verdict("C9", f"{against_eager} against eager attention ({speed:+.0%}); {against_default}",
                    f"in the LoRA step (batch 4, checkpointing) PyTorch's FlashAttention-2 kernel gives {speed:+.0%} speed "
-                   f"and {mem:+.0%} memory against eager attention, the article's comparison; a plain transformers "
-                   "user runs SDPA already (its default), which picks that same flash kernel on this GPU, so "
-                   f"turning FlashAttention on gains them nothing; cuDNN's kernel (tunekit's choice on Hopper) runs at "
-                   f"{vs_flash} flash's speed; the op alone (B{shape['batch']} H{shape['heads']} S{shape['seq']} "
-                   f"D{shape['head_dim']}): {op}",
-                   (eager["name"], flash["name"], cudnn["name"], "l2_attention_ops"))
+                   f"and {mem:+.0%} memory against eager attention, the article's comparison; {default_text}; "
+                   f"cuDNN's kernel (tunekit's choice on Hopper) runs at {vs_flash} flash's speed; the op alone "
+                   f"(B{shape['batch']} H{shape['heads']} S{shape['seq']} D{shape['head_dim']}): {op}",
+                   tuple(dict.fromkeys(files)))
 
 
 def packed_attention(rs: dict[str, dict]) -> Verdict:

@@ -59,9 +59,15 @@ def test_c9_says_what_a_plain_transformers_user_gains_and_c11_credits_the_articl
     rs = {"l2_attn_eager": step("l2_attn_eager", 5600, 25.3), "l2_attn_sdpa_flash": step("l2_attn_sdpa_flash", 9100, 18.1),
           "l2_attn_sdpa_cudnn": step("l2_attn_sdpa_cudnn", 9400, 18.1), "l2_attention_ops": ops}
     v = claims.judge("C9", rs)
-    assert v.verdict == ("holds, and more against eager attention (+62%); against transformers' default (SDPA, "
-                         "already the flash kernel here) nothing to gain")
+    assert v.verdict == ("holds, and more against eager attention (+62%); against transformers' default (SDPA), "
+                         "unmeasured: its own kernel choice not recorded")
     assert "against eager attention, the article's comparison" in v.evidence and "1.03x flash's" in v.evidence
+    ops["default_choice"] = "cudnn"  # PyTorch picks cuDNN by itself: forcing flash is slower than the default
+    v = claims.judge("C9", rs)
+    assert v.verdict.endswith("against transformers' default (SDPA, which picks cudnn's kernel here) 0.97x")
+    assert "forcing FlashAttention runs at 0.97x that speed" in v.evidence
+    ops["default_choice"] = "flash"
+    assert claims.judge("C9", rs).verdict.endswith("picks flash's kernel here) nothing to gain: the same kernel")
     bw = {"l3_nccl_default": 277.0, "l3_nccl_ib_disable": 280.0, "l3_nccl_p2p_disable": 29.0}
     rs = {n: {"name": n, "busbw_gbps": x, "world_size": 2, "gpu": "NVIDIA H200"} for n, x in bw.items()}
     v = claims.judge("C11", rs)

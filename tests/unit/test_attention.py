@@ -227,3 +227,18 @@ def test_benchmark_attention_grouped_query_heads():
     assert rows[0]["max_abs_err_vs_math"] < 1e-5 and rows[1]["max_abs_err_vs_math"] == 0
     with pytest.raises(ValueError, match="unknown 'fa3'"):
         benchmark_attention(backends=("eager", "fa3"))
+
+
+def test_the_default_sdpa_kernel_is_the_one_sdpa_runs_unasked():
+    """The kernel PyTorch's own selector names is the one SDPA runs with no order given: its output equals, bit
+    for bit, SDPA restricted to that kernel alone (on CPU: flash for fp32 causal)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    name = attention.default_sdpa_kernel(1, 2, 64, 16, "cpu")
+    assert name in attention.SDPA_BACKENDS
+    q, k, v = (torch.randn(1, 2, 64, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    unasked = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with sdpa_kernel([attention.SDPA_BACKENDS[name]]):
+        assert torch.equal(F.scaled_dot_product_attention(q, k, v, is_causal=True), unasked)

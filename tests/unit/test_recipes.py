@@ -35,7 +35,7 @@ def test_the_checklist_is_the_before_with_the_article_s_items_and_nothing_else()
 
 def test_the_before_is_a_plain_hf_peft_user_s_default_stack():
     b = article_before()
-    assert (b.attention, b.sdpa_backend) == ("sdpa", "flash,efficient,math,cudnn")  # transformers' default, torch's order
+    assert (b.attention, b.sdpa_backend) == ("sdpa", "flash,efficient,math,cudnn")  # transformers' default, flash first
     assert (b.tokenize, b.num_workers, b.pin_memory, b.tf32, b.compile, b.loss) == ("in_loop", 0, False, False,
                                                                                    "none", "plain")
     assert (b.optimizer, b.peft_kbit_prepare, b.lora_input_cast, b.fast_lora, b.fp8) == ("adamw_foreach", True, True,
