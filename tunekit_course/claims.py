@@ -261,7 +261,7 @@ def c8(rs: dict[str, dict]) -> Verdict:
         capped = f"{'faster' if faster2 else 'not faster'} overall at twice the batch on a {CAPPED_CARD_GB} GB card"
         cap = f", capped at {small['memory_cap_gb']:g} GB" if small.get("memory_cap_gb") else ""
         evidence += (f"; on a {CAPPED_CARD_GB} GB card (this GPU{cap}), QLoRA at batch 1 without checkpointing "
-                     f"(the most that fits without it) {_tps(small['tokens_per_s'])} tok/s, "
+                     f"(the most that fits without it, by the estimator) {_tps(small['tokens_per_s'])} tok/s, "
                      f"{small['peak_memory_gb']:.1f} GB; at batch 2 with it {_tps(small2['tokens_per_s'])} tok/s, "
                      f"{small2['peak_memory_gb']:.1f} GB: {words2}")
         files += [small["name"], small2["name"]]
