@@ -15,8 +15,8 @@ Where results go, and what the notebooks read:
   TUNEKIT_MEMORY_GB=N runs as on a card of N GB (the child processes are capped there too).
 - TUNEKIT_REPLAY=1 replays the published run instead of measuring: `measure` reads `notebooks/results`,
   which is then read-only (nothing is written), on a laptop as on a GPU.
-- Beside your figures the notebooks show the published H200 ones (`published`, `beside`, `plot_beside`) and
-  beside your verdicts the published verdicts (`verdict`).
+- Beside your figures the notebooks show the published H200 ones (`published`, `beside`; `sides` gathers both for
+  the charts of tunekit_course/charts.py) and beside your verdicts the published verdicts (`verdict`).
 - Publishing is the course's own step: `python -m tunekit_course.notebook --publish [FOLDER]` copies a folder of
   results (this GPU's by default) into `notebooks/results`.
 - In smoke mode results go to `runs/smoke-results`, a scratch folder.
@@ -494,33 +494,17 @@ def beside(names, key: str = "tokens_per_s", mine: dict[str, dict] | None = None
     return "\n".join(lines + notes)
 
 
-def plot_beside(names, key: str = "tokens_per_s", title: str = "", mine: dict[str, dict] | None = None,
-                reference: dict[str, float] | None = None):
-    """Bars of `key` per result: yours (labelled with your GPU) beside the published one, and `reference`'s
-    labelled vertical lines (cited figures, say); the figure."""
-    import matplotlib.pyplot as plt
-
-    names = list(names)
-    pub = [_value(published(n), key) or 0 for n in names]
-    fig, ax = plt.subplots(figsize=(9, 0.55 * len(names) + 1.5))
-    y = range(len(names))
+def sides(mine: dict[str, dict] | None = None, names=None, smoke: bool = True) -> dict[str, dict[str, dict]]:
+    """What a chart (tunekit_course/charts.py) draws, as {series label: {name: result}}: your results (`mine`,
+    default `here()`), labelled with your GPU, then the published ones (`names` of them, default all), labelled
+    "published, NVIDIA H200". In replay mode the published alone; in smoke mode yours too unless `smoke` is False
+    (a chart whose tiny CPU figures mean nothing beside a GPU's: a CPU peak is the process's memory)."""
+    label = f"published, {PUBLISHED_GPU}"
+    pub = results.by_name(RESULTS) if names is None else {n: r for n in names if (r := published(n))}
     if replay_mode():
-        ax.barh(list(y), pub, color="tab:gray", label=f"published, {PUBLISHED_GPU} (replayed)")
-    else:
-        mine = here() if mine is None else mine
-        ax.barh([i - 0.2 for i in y], [_value(mine.get(n), key) or 0 for n in names], height=0.4,
-                color="tab:blue", label=_here_label(mine))
-        ax.barh([i + 0.2 for i in y], pub, height=0.4, color="tab:gray", label=f"published, {PUBLISHED_GPU}")
-    for text, value in (reference or {}).items():
-        ax.axvline(value, ls="--", color="gray")
-        ax.text(value, -0.5, f" {text}", rotation=90, va="top", fontsize=8, color="gray")
-    ax.set_yticks(list(y), names)
-    ax.invert_yaxis()
-    ax.set_xlabel(key.replace("_", " "))
-    ax.set_title(title)
-    ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    return fig
+        return {f"{label} (replayed)": pub}
+    mine = here() if mine is None else mine
+    return {**({_here_label(mine): mine} if on_gpu() or smoke else {}), label: pub}
 
 
 # what a claim's reading of results it does not expect (a run fitted to a smaller GPU, say) may raise
@@ -722,6 +706,25 @@ def lesson4_plan(gpu: bool) -> dict[str, list[tuple[str, list, str]]]:
                      "cold:liger")],
         "fp8": [("l4_lora_fp8", [*lora, "--fp8"], ""),
                 ("l4_lora_fp8_regional", [*lora, "--fp8", "--compile", "regional"], "cold:fp8")]}
+
+
+# Lesson 4's switches on one chart (charts.speedups): (what, the result with it, the result without it, the
+# article's figure for it as (claim, what) of charts.ARTICLE, or None where the article is silent). Each is read
+# against the same step without it: LoRA 7B eager with TF32 on, unless the row names another.
+LESSON4_SPEEDUPS = [
+    ("TF32, fp32 step of a 1.1B full fine-tune", "l4_tf32_fp32_on", "l4_tf32_fp32_off", ("C13", "speed-up")),
+    ("TF32, bf16-autocast LoRA step", "l4_lora_eager", "l4_lora_tf32_off", ("C13", "speed-up")),
+    ("regional compile, cold cache", "l4_lora_regional_cold", "l4_lora_eager", ("C14", "speed-up")),
+    ("regional compile, warm cache", "l4_lora_regional_warm", "l4_lora_eager", ("C14", "speed-up")),
+    ("whole-model compile, cold cache", "l4_lora_model_cold", "l4_lora_eager", ("C14", "speed-up")),
+    ("regional compile, QLoRA with checkpointing", "l4_qlora_regional_cold", "l4_qlora_eager", ("C14", "speed-up")),
+    ("8-bit AdamW, against AdamW (1.1B full)", "l4_opt_adamw8bit", "l4_opt_adamw", ("C15", "8-bit AdamW")),
+    ("Lion, against AdamW (1.1B full)", "l4_opt_lion", "l4_opt_adamw", ("C15", "Lion")),
+    ("Liger's fused kernels", "l4_lora_liger", "l4_lora_eager", None),
+    ("Liger's kernels and regional compile", "l4_lora_liger_regional", "l4_lora_eager", None),
+    ("FP8 matmuls (torchao)", "l4_lora_fp8", "l4_lora_eager", None),
+    ("FP8 matmuls and regional compile", "l4_lora_fp8_regional", "l4_lora_eager", None),
+]
 
 
 # Lesson 5's waterfall: from the article's "before" to tunekit's "after", one technique at a time. Each step is
