@@ -93,3 +93,13 @@ def test_readme_reliability_table_names_tests_that_exist():
     for file, test in named:
         found = list((REPO_ROOT / "tests").rglob(file))
         assert found and f"def {test}(" in found[0].read_text(), f"{file}::{test}"
+
+
+def test_keeping_the_committed_outputs_is_said_once_in_the_readme():
+    """How to keep a lesson's committed outputs (autosave off, `git checkout` to restore) is one README section;
+    each lesson's opening cell points to it instead of repeating it."""
+    assert README.count("### Keeping the committed outputs") == 1 and "Autosave Documents" in README
+    lessons = sorted((REPO_ROOT / "notebooks").glob("*.ipynb"))
+    for path in lessons:
+        first = "".join(json.loads(path.read_text())["cells"][0]["source"])
+        assert "*Keeping the committed outputs*" in first and "autosave" not in first.lower(), path.name
