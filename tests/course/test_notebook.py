@@ -150,7 +150,7 @@ def test_committed_notebooks_read_correctly_untrusted_and_open_clean(path):
     assert nb.metadata.kernelspec == {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
     assert text == nbformat.writes(nb) + "\n", f"{path.name}: not as nbformat (and JupyterLab) write it"
     first = nb.cells[0]
-    assert first.cell_type == "markdown" and f"git checkout notebooks/{path.name}" in first.source
+    assert first.cell_type == "markdown" and "*Keeping the committed outputs*" in first.source  # the README's
 
 
 def test_a_command_s_output_is_printed_without_this_machine_s_folders():
