@@ -3,6 +3,7 @@
 - `claims`: the article's claims judged from the published results, and the README's generated tables.
 - `notebook`: what the lesson notebooks share (presets that fit the machine, measuring in subprocesses, the
   lesson plans) and their executor (`python -m tunekit_course.notebook`).
+- `cards`: what to run on each common card size, from a lesson's own results.
 - `charts`: the lessons' charts, one function a chart, each taking result dicts and returning the figure.
 - `databench`: lesson 1's data measurements; `compare`: the same step in the plain HF + peft stack, tunekit
   and Unsloth; `race`: lesson 4's optimizer convergence; `accumulation`: lesson 3's accumulation check.

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from tunekit.io import atomic_write_json
 from tunekit.stopping import read_metrics_file
+from tunekit_course.cards import CARDS
 
 
 def logged_rows(folder: Path) -> list[dict]:
@@ -430,8 +431,6 @@ def summary(whole: dict[str, dict]) -> list[str]:
     return out
 
 
-# GPU memory sizes a learner rents, with examples: FP8 matmuls need Ada or Hopper (sm89+)
-CARDS = ((24, "RTX 4090", "RTX 3090"), (48, "L40S", "RTX A6000"), (80, "H100", "A100 80GB"), (141, "H200", None))
 
 
 def recipes_by_memory(cards=CARDS, preset: str = "tunekit_recipe") -> list[dict]:
