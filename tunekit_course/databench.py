@@ -4,7 +4,9 @@ Three experiments, each one result file (the keys every tunekit result has, plus
 
 - `train`: the training step fed three ways — tokenized offline, tokenized in the loop, tokenized in the
   loop but inside DataLoader workers (claim C1) — then with the DataLoader knobs off and on (does the GPU
-  ever wait? claim C2), then padded vs length-grouped vs packed batches (real tokens/s and padding).
+  ever wait? claim C2), then padded vs length-grouped vs packed batches (real tokens/s and padding), packed
+  rows on the model built for packing (the library's attention for them), each variant timed on batches it
+  has already run once.
   Each row splits the step into *data* time (waiting for the next batch and copying it to the device) and
   *compute* time (forward, backward, optimizer, synchronized).
 - `loader`: a sweep of `num_workers` x `pin_memory` x `prefetch_factor` x `persistent_workers` on data
@@ -18,6 +20,8 @@ Three experiments, each one result file (the keys every tunekit result has, plus
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import gc
 import json
 import mmap
 import os
@@ -111,7 +115,7 @@ def run_train_experiment(cfg: TuneConfig, steps: int = 15, warmup: int = 3, verb
         train_step(model, [batch], optimizer, scheduler, cfg.max_grad_norm, **options)
 
     inloop = InLoopTokenized(records, tokenizer, cfg.max_length, cfg.data)
-    article = dict(num_workers=workers, pin_memory=pin, prefetch_factor=4, persistent_workers=True)
+    article = {"num_workers": workers, "pin_memory": pin, "prefetch_factor": 4, "persistent_workers": True}
     variants = {
         # C1: where tokenization happens
         "C1 offline (tokenized before training)": lambda e: plain_loader(tokenized, bs, pad, seed, e),
@@ -120,29 +124,45 @@ def run_train_experiment(cfg: TuneConfig, steps: int = 15, warmup: int = 3, verb
         # C2: the DataLoader knobs, on the offline data
         "C2 loader knobs off": lambda e: plain_loader(tokenized, bs, pad, seed, e),
         "C2 loader knobs as the article says": lambda e: plain_loader(tokenized, bs, pad, seed, e, **article),
-    }
-    packed = pack_dataset(tokenized, cfg.max_length)
-    pack_rows = max(1, round(bs * stats["tokens"] / stats["samples"] / cfg.max_length))  # about the same tokens
-    variants.update({
         "pack: pad to longest in batch": lambda e: build_dataloader(tokenized, bs, pad, seed, e),
         "pack: length-grouped batches": lambda e: build_dataloader(tokenized, bs, pad, seed, e,
                                                                          group_by_length=True),
+    }
+    packed = pack_dataset(tokenized, cfg.max_length)
+    pack_rows = max(1, round(bs * stats["tokens"] / stats["samples"] / cfg.max_length))  # about the same tokens
+    packed_variants = {
         f"pack: packed rows of {cfg.max_length} (x{pack_rows})": lambda e: build_dataloader(
             packed, pack_rows, pad, seed, e),
         f"pack: packed rows of {cfg.max_length} (x{4 * pack_rows}, 4x the tokens)": lambda e: build_dataloader(
             packed, 4 * pack_rows, pad, seed, e),
-    })
+    }
     rows = []
-    # An unreported pass first: the first steps on new batch shapes pay for kernel selection and allocator
-    # growth, and the C1/C2 variants all see the same batches — without this the first variant looks slow.
-    measure_fed_steps(step, cycle(next(iter(variants.values()))), steps, warmup, device)
-    memory.reset_peak_memory(device)
-    for name, make in variants.items():
+
+    def run(name, make):
+        # Each variant first runs its own batches once, untimed, then the same batches timed (the loaders are
+        # seeded by epoch): every batch shape has met its kernel selection and allocator growth before it is
+        # timed, so a variant of many shapes (length-grouped batches) is not timed while it warms up.
+        measure_fed_steps(step, cycle(make), steps, warmup, device)
         row = {"variant": name, **measure_fed_steps(step, cycle(make), steps, warmup, device)}
         rows.append(row)
         if verbose:
             print(f"{name:<45} {row['tokens_per_s']:>10,.0f} real tok/s  data {row['data_fraction']:6.1%}  "
                   f"padding {row['padding_fraction']:6.1%}  step {row['compute_s_per_step']:.3f}s")
+
+    memory.reset_peak_memory(device)
+    for name, make in variants.items():
+        run(name, make)
+    # Packed rows train as `tunekit train` trains them: the model built for packing, whose attention is the
+    # library's default for packed rows (`attention.choose_attention(..., packed=True)`: FlexAttention on a GPU,
+    # which skips the masked blocks), not the padded batches' SDPA with a dense document mask.
+    del model, optimizer, scheduler, options  # one 7B model at a time
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    model, optimizer, scheduler, options = build_training(dataclasses.replace(cfg, packing="pack"), len(tokenizer),
+                                                          device, dtype, 10**9, verbose)
+    for name, make in packed_variants.items():
+        run(name, make)
     best = max(rows, key=lambda r: r["tokens_per_s"])
     return new_result("data_train", cfg, best["tokens_per_s"], round(memory.peak_memory_gb(device)[0], 3),
                       code_files=(code_file(__file__),), call=f"databench.run_train_experiment(steps={steps}, warmup={warmup})",

@@ -197,3 +197,32 @@ def test_loader_and_read_experiments_headers(make_cfg, tmp_path):
     assert [r["data"] for r in read["rows"]] == ["dataset"] * 4
     assert all(r["source"].startswith("memory-mapped arrow, ") for r in read["rows"][:2])
     assert read["best_ram_samples_per_s"] == read["rows"][2]["samples_per_s"]
+
+
+def test_each_variant_is_timed_on_batches_it_has_run_and_packed_rows_on_a_model_built_for_them(make_cfg, monkeypatch):
+    """A variant's batches run once untimed, then the same batches timed (the timed pass meets no new shape);
+    the packed rows train on the model `tunekit train` builds for packed rows (its attention for them)."""
+    import tunekit.build
+
+    built, passes = [], []
+    real_build, real_measure = tunekit.build.build_training, databench.measure_fed_steps
+
+    def build(cfg, *args, **kwargs):
+        built.append(cfg.packing)
+        return real_build(cfg, *args, **kwargs)
+
+    def measure(step, batches, steps, warmup, device):
+        first = next(batches)
+        passes.append(first["input_ids"].clone())
+
+        def again():
+            yield first
+            yield from batches
+        return real_measure(step, again(), steps, warmup, device)
+
+    monkeypatch.setattr(tunekit.build, "build_training", build)
+    monkeypatch.setattr(databench, "measure_fed_steps", measure)
+    result = databench.run_train_experiment(make_cfg(), steps=2, warmup=1, verbose=False)
+    assert built[-1] == "pack" and built[0] != "pack" and len(built) == 2
+    assert len(passes) == 2 * len(result["rows"])  # an untimed pass, then the timed one, for each variant
+    assert all(torch.equal(a, b) for a, b in zip(passes[::2], passes[1::2]))  # the same batches both times
