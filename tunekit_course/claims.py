@@ -297,7 +297,7 @@ def c9(rs: dict[str, dict]) -> Verdict:
     default = rs["l2_attention_ops"].get("default_choice")
     plain = rs.get(f"l2_attn_sdpa_{default}") if default else None
     if plain is not None:
-        ratio, words = compare(flash, plain, noise_results(rs))
+        _, words = compare(flash, plain, noise_results(rs))
         against_default = (f"against transformers' default (SDPA, which picks {default}'s kernel here) "
                            + ("nothing to gain: the same kernel" if plain is flash else f"{words}"))
         default_text = (f"a plain transformers user runs SDPA already (its default), and PyTorch picks {default}'s "
@@ -531,7 +531,17 @@ def fused_kernels(rs: dict[str, dict]) -> Verdict:
 
 
 def fp8(rs: dict[str, dict]) -> Verdict:
-    return _switch_with_and_without_compile(rs, "fp8", "torchao float8 (rowwise)", "fp8")
+    """FP8's speed (lesson 4's step, with and without compile) and whether it learns as bf16 does: lesson 5's
+    whole run of tunekit's recipe (FP8 base weights) against the same recipe without FP8 on the same batches
+    (the 24 GB run, whole or stopped), where both were measured (`fullrun.describe_fp8`)."""
+    v = _switch_with_and_without_compile(rs, "fp8", "torchao float8 (rowwise)", "fp8")
+    bf16 = rs.get("l5_tunekit_24gb") or rs.get("l5_tunekit_24gb_stopped")
+    if "l5_tunekit" in rs and bf16:
+        from tunekit_course.fullrun import describe_fp8
+
+        v.evidence += f". Learning: {describe_fp8(rs['l5_tunekit'], bf16)}"
+        v.files += (rs["l5_tunekit"]["name"], bf16["name"])
+    return v
 
 
 # ---- issue 14: the speed push, side by side with the plain stack and Unsloth --------------------------------------

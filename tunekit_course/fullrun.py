@@ -375,6 +375,46 @@ def measure_runs(budget_s: float, runs: list[tuple[str, list[str], dict]] | None
     return finished
 
 
+def fp8_vs_bf16(fp8: dict, bf16: dict, window: int = 20) -> dict | None:
+    """Whether FP8 base weights learn as bf16 does, from two runs of tunekit's recipe on the same batches (the
+    24 GB run is the recipe without FP8, with checkpointing and the same samples a step): the training losses
+    step by step, each averaged over `window` steps (one step's loss wobbles with its batch), their largest and
+    last gaps, and the held-out loss after each epoch both reached. None where the two did not train on the same
+    batches (`BATCHING`); the gaps None where they share fewer than `window` steps."""
+    mine, theirs = fp8.get("config") or {}, bf16.get("config") or {}
+    if any(mine.get(k) != theirs.get(k) for k in BATCHING if k not in ("epochs", "max_steps")):
+        return None
+    a, b = ({row[0]: row[1] for row in r.get("curve") or []} for r in (fp8, bf16))
+    steps = sorted(set(a) & set(b))
+    theirs_eval = dict(bf16.get("eval_losses") or [])
+    evals = [(step, loss, theirs_eval[step]) for step, loss in fp8.get("eval_losses") or [] if step in theirs_eval]
+    if len(steps) < window:
+        return {"steps": len(steps), "window": window, "largest_gap": None, "last_gap": None, "held_out": evals}
+
+    def smooth(losses: dict) -> list[float]:
+        values = [losses[s] for s in steps]
+        return [sum(values[i - window + 1:i + 1]) / window for i in range(window - 1, len(values))]
+
+    gaps = [x - y for x, y in zip(smooth(a), smooth(b))]
+    return {"steps": len(steps), "window": window, "largest_gap": max(gaps, key=abs), "last_gap": gaps[-1],
+            "held_out": evals}
+
+
+def describe_fp8(fp8: dict, bf16: dict) -> str:
+    """`fp8_vs_bf16` as a sentence for the lesson, or why it cannot be said."""
+    c = fp8_vs_bf16(fp8, bf16)
+    if c is None:
+        return f"FP8 against bf16: {fp8['name']} and {bf16['name']} did not train on the same batches"
+    held = "; ".join(f"after step {s}: FP8 {x:.3f}, bf16 {y:.3f} nats" for s, x, y in c["held_out"])
+    if c["largest_gap"] is None:
+        return (f"FP8 against bf16: {fp8['name']} and {bf16['name']} share {c['steps']} logged steps, too few to "
+                "compare their losses" + (f"; held-out loss {held}" if held else ""))
+    return (f"FP8 base weights against bf16 on the same batches ({fp8['name']} against {bf16['name']}, "
+            f"{c['steps']} steps): the training losses, each a {c['window']}-step mean, differ by at most "
+            f"{abs(c['largest_gap']):.3f} nats (FP8 {'higher' if c['largest_gap'] > 0 else 'lower'}), "
+            f"{c['last_gap']:+.3f} at the last step" + (f"; held-out loss {held}" if held else ""))
+
+
 def summary(whole: dict[str, dict]) -> list[str]:
     """What lesson 5's whole runs found, one sentence a finding, every figure read from the results in `whole`
     ({name: result}, those measured here): the checklist against the before (the article's claim), tunekit's
@@ -414,6 +454,7 @@ def summary(whole: dict[str, dict]) -> list[str]:
                    + (f"; {tk['tokens_per_s'] / check['tokens_per_s']:.1f}x the checklist's rate (what the course "
                       "adds to the article)" if check else "") + ".")
     if tk and card:
+        out.append(describe_fp8(tk, card) + ".")
         out.append(f"On a 24 GB card (this GPU capped at 24 GB; speeds are this GPU's): {epochs(card)} in "
                    f"{minutes(card)}, steady {card['tokens_per_s'] / tk['tokens_per_s']:.0%} of the whole card's rate, "
                    f"peak {card['peak_memory_gb']:.1f} GB.")

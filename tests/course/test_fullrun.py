@@ -171,10 +171,11 @@ def test_the_lesson_s_summary_is_read_from_the_runs_and_says_what_is_missing():
            "before's steps takes 5.6 days (a projection from the measured rates), where the article claims 3" in lines[0]
     assert "3 epochs in 4.0 min (1.3 min an epoch on average, 6.0x the before's epoch); steady 12.0x" in lines[1]
     assert "takes 1.2 days" in lines[1] and "4.8x the checklist's" in lines[1]
-    assert "steady 50% of the whole card's rate, peak 22.5 GB" in lines[2]
-    assert lines[3] == ("Peak GPU memory: l5_article_before 8.6 GB, l5_article_checklist 17.0 GB, l5_tunekit 62.0 GB, "
+    assert lines[2].startswith("FP8 against bf16: l5_tunekit and l5_tunekit_24gb share 1 logged steps, too few")
+    assert "steady 50% of the whole card's rate, peak 22.5 GB" in lines[3]
+    assert lines[4] == ("Peak GPU memory: l5_article_before 8.6 GB, l5_article_checklist 17.0 GB, l5_tunekit 62.0 GB, "
                         "l5_tunekit_24gb 22.5 GB.")
-    assert lines[4].startswith("Held-out loss of l5_tunekit after 3 epochs: 4.00 nats, below the bigram baseline")
+    assert lines[5].startswith("Held-out loss of l5_tunekit after 3 epochs: 4.00 nats, below the bigram baseline")
     missing = fullrun.summary({"l5_article_before": before})
     assert missing[0].endswith("l5_article_checklist not measured here.") and len(missing) == 3
     assert "between the unigram and bigram baselines" in missing[2]
@@ -222,3 +223,24 @@ def test_what_to_run_on_each_card_is_the_estimator_s_nearest_fit():
     assert rows[(24, False)]["flags"] == ["--grad-ckpt=true"] and rows[(24, False)]["estimate_gb"] < 24
     assert rows[(48, True)]["flags"] == ["--grad-ckpt=true"] and rows[(48, True)]["estimate_gb"] < 48
     assert (141, False) not in rows  # no card of that size without FP8
+
+
+def test_fp8_against_bf16_compares_the_same_batches_step_by_step():
+    """The recipe with FP8 base weights against the same recipe without, on the same batches: the training
+    losses as 20-step means, their largest and last gaps, the held-out losses both reached; runs of other
+    batches are not compared."""
+    cfg = {"data": "gsm8k", "seed": 0, "batch_size": 4, "grad_accum": 1, "max_length": 2048, "packing": "pack"}
+    fp8 = {"name": "l5_tunekit", "config": {**cfg, "epochs": 3.0, "max_steps": 60},
+           "curve": [[s, 10.0 - s / 10, 1.0, 1.0] for s in range(1, 61)], "eval_losses": [[20, 5.0], [40, 4.5]]}
+    bf16 = {"name": "l5_tunekit_24gb_stopped", "config": {**cfg, "epochs": 3.0, "max_steps": 60},
+            "curve": [[s, 10.0 - s / 10 + (0.05 if s > 40 else 0.0), 1.0, 1.0] for s in range(1, 51)],
+            "eval_losses": [[20, 5.01]]}
+    c = fullrun.fp8_vs_bf16(fp8, bf16)
+    assert c["steps"] == 50 and c["window"] == 20 and c["held_out"] == [(20, 5.0, 5.01)]
+    assert fullrun.fp8_vs_bf16(fp8, {**bf16, "curve": bf16["curve"][:5]})["largest_gap"] is None  # too few steps
+    assert c["largest_gap"] == pytest.approx(-0.025) and c["last_gap"] == pytest.approx(-0.025)  # steps 41-50
+    text = fullrun.describe_fp8(fp8, bf16)
+    assert "differ by at most 0.025 nats (FP8 lower)" in text and "after step 20: FP8 5.000, bf16 5.010" in text
+    other = {**bf16, "config": {**bf16["config"], "packing": "pad"}}
+    assert fullrun.fp8_vs_bf16(fp8, other) is None and "did not train on the same batches" in \
+        fullrun.describe_fp8(fp8, other)
