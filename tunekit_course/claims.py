@@ -704,6 +704,15 @@ def _first_epoch_s(r: dict) -> float | None:
     return at.get(r["eval_losses"][0][0]) if r.get("eval_losses") else None
 
 
+def _same_gpu(a: dict, b: dict) -> str:
+    """Whether results `a` and `b` were measured on one GPU, as their `gpu_uuid`s say (nothing where either
+    did not record it): two machines of one model differ by more than some changes do."""
+    if not (a.get("gpu_uuid") and b.get("gpu_uuid")):
+        return ""
+    return (f"; {b['name']} and {a['name']} on the same GPU" if a["gpu_uuid"] == b["gpu_uuid"] else
+            f"; {b['name']} on another machine than {a['name']} (machines of one model differ)")
+
+
 def c16(rs: dict[str, dict]) -> Verdict:
     """The article's headline from lesson 5's whole runs, each from a fresh folder on one H200 and timed whole
     (start, data, build, compile, steps, held-out evaluation; a run's segments added up): one GSM8K epoch of
@@ -742,7 +751,7 @@ def c16(rs: dict[str, dict]) -> Verdict:
                      + (f" ({low:.2f}-{high:.2f}x {how})" if low is not None else "")
                      + f", {check['peak_memory_gb']:.1f} GB; the article claims {ARTICLE_SPEEDUP:.2f}x (14 days to "
                      f"3): at the steady rates a 14-day run of the before's steps would be {14 / steady:.1f} days of "
-                     "the checklist's (a projection from the measured rates, not a run)")
+                     "the checklist's (a projection from the measured rates, not a run)" + _same_gpu(before, check))
         files.append(check["name"])
     elif "l5_article_checklist_stopped" in rs:  # its steps, from a run that did not reach its end
         part = rs["l5_article_checklist_stopped"]

@@ -200,10 +200,22 @@ def _summary(folder: Path) -> dict:  # the run's last word: its timings (start, 
     return json.loads((folder / "summary.json").read_text())
 
 
+def gpu_uuid() -> str | None:
+    """The physical GPU this process measures on (its UUID), None without CUDA: two machines of the same GPU model
+    differ by more than many changes do (18% seen between two H200 machines), so results are compared as the
+    same machine's only where their UUIDs say so."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None)
+    return str(uuid) if uuid is not None else None
+
+
 def result(name: str, folder: str | Path) -> dict:
     """The result file of the finished run in `folder`: wall-clock added up over its segments, each segment, the
     held-out losses (step, loss) beside their baselines (`evaluate.run_baselines`), steady-state real tokens/s,
-    peak memory."""
+    peak memory, and the GPU that wrote it (`gpu_uuid`: its last segment's, where segments ran on several)."""
     from tunekit.config import TuneConfig
     from tunekit.results import code_file, new_result
 
@@ -226,7 +238,7 @@ def result(name: str, folder: str | Path) -> dict:
         segments=segs, steps=summary["steps"], epochs_seen=summary.get("epochs_seen"),
         eval_losses=summary.get("eval_losses"), eval_loss=summary.get("eval_loss"),
         final_loss=summary.get("final_loss"), timings=summary.get("timings"), baselines=baselines, tokens_seen=summary.get("tokens_seen"),
-        packing=summary.get("packing"), weights=cfg.model or "random-init",
+        packing=summary.get("packing"), weights=cfg.model or "random-init", gpu_uuid=gpu_uuid(),
         data=f"{cfg.data}: {cfg.epochs:g} epochs, whole; wall-clock summed over {len(segs)} segment(s) (the time "
              "between them not counted); tokens/s counts real tokens over the steps after each segment's first",
         **derived)

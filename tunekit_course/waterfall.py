@@ -22,6 +22,7 @@ from pathlib import Path
 from tunekit_course.fullrun import (
     derived_fields,
     done,
+    gpu_uuid,
     logged_rows,
     p10_p90,
     run_folder,
@@ -108,18 +109,6 @@ def waterfall_bar(name: str, label: str, folder: str | Path) -> dict:
                       code_files=(code_file(__file__),), label=label, one_time_s=rows[0]["elapsed_s"],
                       steps=len(rows), steady_s=round(rows[-1]["elapsed_s"] - rows[0]["elapsed_s"], 1),
                       weights=cfg.model or "random-init", gpu_uuid=gpu_uuid(), row_tokens=row_tokens, **derived)
-
-
-def gpu_uuid() -> str | None:
-    """The physical GPU this process measures on (its UUID), None without CUDA: bars from two GPUs, two machines
-    of the same model among them, differ by more than many changes do (18% seen between two H200 machines), so
-    they are not compared."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None)
-    return str(uuid) if uuid is not None else None
 
 
 def _block_rates(bar: dict, blocks: int = 3) -> list[float]:

@@ -192,6 +192,12 @@ def test_c16_is_the_checklist_s_whole_epoch_over_the_before_s():
                          "epoch 0.8x by wall-clock, its compile included")
     assert "0.75x the before's by wall-clock (its first step done 511 s after its start" in v.evidence
     assert "a 14-day run of the before's steps would be 4.7 days of the checklist's" in v.evidence
+    assert "same GPU" not in v.evidence  # no GPU recorded: nothing said
+    rs["l5_article_before"]["gpu_uuid"] = rs["l5_article_checklist"]["gpu_uuid"] = "GPU-1"
+    assert "l5_article_checklist and l5_article_before on the same GPU" in claims.judge("C16", rs).evidence
+    rs["l5_article_checklist"]["gpu_uuid"] = "GPU-2"
+    assert "on another machine than l5_article_before" in claims.judge("C16", rs).evidence
+    del rs["l5_article_before"]["gpu_uuid"]
     rs["l5_article_checklist"] = run("l5_article_checklist", 240, 3000)
     assert claims.judge("C16", rs).verdict.startswith("not here: 1.5x in steady steps")
     rs["l5_article_checklist"] = run("l5_article_checklist", 120, 10000)

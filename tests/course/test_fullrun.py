@@ -109,7 +109,8 @@ def test_a_detached_run_outlives_its_command_and_is_followed_to_its_end(tmp_path
     assert fullrun.main(["--follow", "600"]) == 0
     out = capsys.readouterr().out
     assert "whole runs done: l5_smoke_a; all done" in out and "detached run ended: exit code 0" in out
-    assert json.loads((notebook.results_dir() / "l5_smoke_a.json").read_text())["steps"] == 6
+    written = json.loads((notebook.results_dir() / "l5_smoke_a.json").read_text())
+    assert written["steps"] == 6 and "gpu_uuid" in written and written["gpu_uuid"] is None  # no GPU here
     assert fullrun.main(["--follow", "600"]) == 0  # followed again: nothing printed twice
     assert "whole runs done" not in capsys.readouterr().out
     assert fullrun.main(["--detach", "0", "l5_smoke_b"]) == 0  # no time: it ends with the run not done
