@@ -196,6 +196,14 @@ def reusable(path: str | Path, cfg: TuneConfig) -> dict | None:
 # ---- noise -----------------------------------------------------------------------------------------------
 
 
+def value(r: dict | None, key: str) -> float | None:
+    """`r[key]`, a dotted key reading into dicts (`timings.first_step_s`); None where it is missing or not a
+    number."""
+    for part in key.split("."):
+        r = r.get(part) if isinstance(r, dict) else None
+    return r if isinstance(r, (int, float)) and not isinstance(r, bool) else None
+
+
 def noise_band(a: dict, b: dict, noise: dict[str, dict] | None = None) -> float:
     """The relative difference below which two speed results are the same within noise: the larger of the
     two results' own step-time spread and the run-to-run spread measured for their batch size (a `noise_*`

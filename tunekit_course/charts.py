@@ -21,6 +21,8 @@ import math
 import matplotlib.pyplot as plt
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
 
+from tunekit.results import value as _value  # a result's number by (dotted) key
+
 # The article's figures the charts draw, each with the words of claims.CLAIMS it is read from:
 # (claim, what) -> (value, words). tests/course/test_charts.py holds every entry to its claim's text, so the two
 # cannot drift apart.
@@ -58,13 +60,6 @@ OPTIMIZERS = {"adamw8bit": "8-bit AdamW", "paged_adamw8bit": "paged 8-bit AdamW"
 ATTENTION = {"eager": "eager attention", "flex_attention": "FlexAttention", "sdpa": "SDPA"}
 MARK_COLORS = ("black", "tab:red", "tab:purple", "tab:brown")
 CLAIM_COLORS = ("black", "tab:purple", "tab:brown", "tab:red")  # the article's figures, apart from METHOD_COLORS
-
-
-def _value(r: dict | None, key: str) -> float | None:
-    """`r[key]` (a dotted key reads into dicts), None where it is missing or not a number."""
-    for part in key.split("."):
-        r = r.get(part) if isinstance(r, dict) else None
-    return r if isinstance(r, (int, float)) and not isinstance(r, bool) else None
 
 
 def _color(label: str, i: int) -> str:

@@ -159,6 +159,13 @@ def p10_p90(values: list[float]) -> tuple[float, float]:
 BATCHING = ("data", "seed", "batch_size", "grad_accum", "max_length", "packing", "epochs", "max_steps")
 
 
+def same_batching(a: dict, b: dict, ignore: tuple[str, ...] = ()) -> bool:
+    """Whether results `a` and `b` agree on every field of `BATCHING` but those of `ignore` (the length of a run
+    changes where it stops, not which batches come first)."""
+    mine, theirs = a.get("config") or {}, b.get("config") or {}
+    return all(mine.get(k) == theirs.get(k) for k in BATCHING if k not in ignore)
+
+
 def steady_vs(run: dict, base: dict) -> tuple[float, float | None, float | None, str]:
     """`run`'s steady real tokens/s over `base`'s, as (ratio, low, high, how the spread was taken). Where the two
     trained on the same batches in the same order (`BATCHING` and the tokens seen agree: recipes that leave the
@@ -166,8 +173,7 @@ def steady_vs(run: dict, base: dict) -> tuple[float, float | None, float | None,
     same step of the other, a segment's first step (the compile's) left out; otherwise it is each run's own
     10th-90th percentile, lowest over highest and highest over lowest. No spread (None) where neither is known."""
     ratio = run["tokens_per_s"] / base["tokens_per_s"]
-    mine, theirs = run.get("config") or {}, base.get("config") or {}
-    if run.get("tokens_seen") == base.get("tokens_seen") and all(mine.get(k) == theirs.get(k) for k in BATCHING):
+    if run.get("tokens_seen") == base.get("tokens_seen") and same_batching(run, base):
         firsts = {s.get("first_step") for r in (run, base) for s in r.get("segments") or []}
         other = {row[0]: row[2] for row in base.get("curve") or []}
         steps = [row[2] / other[row[0]] for row in run.get("curve") or []
@@ -393,8 +399,7 @@ def fp8_vs_bf16(fp8: dict, bf16: dict, window: int = 20) -> dict | None:
     step by step, each averaged over `window` steps (one step's loss wobbles with its batch), their largest and
     last gaps, and the held-out loss after each epoch both reached. None where the two did not train on the same
     batches (`BATCHING`); the gaps None where they share fewer than `window` steps."""
-    mine, theirs = fp8.get("config") or {}, bf16.get("config") or {}
-    if any(mine.get(k) != theirs.get(k) for k in BATCHING if k not in ("epochs", "max_steps")):
+    if not same_batching(fp8, bf16, ignore=("epochs", "max_steps")):
         return None
     a, b = ({row[0]: row[1] for row in r.get("curve") or []} for r in (fp8, bf16))
     steps = sorted(set(a) & set(b))
@@ -482,8 +487,6 @@ def summary(whole: dict[str, dict]) -> list[str]:
         out.append(f"Held-out loss of {longest['name']} after {epochs(longest)}: {last:.2f} nats, {below} "
                    f"(uniform {b['uniform']:.2f}, unigram {b['unigram']:.2f}, bigram {b['bigram']:.2f}).")
     return out
-
-
 
 
 def recipes_by_memory(cards=CARDS, preset: str = "tunekit_recipe") -> list[dict]:

@@ -432,13 +432,6 @@ FORMATS = {"tokens_per_s": "{:,.0f} tok/s", "peak_memory_gb": "{:.1f} GB", "busb
            "samples_per_s": "{:,.1f} samples/s"}
 
 
-def _value(r: dict | None, key: str):
-    """`r[key]`, a dotted key reading into dicts (`timings.first_step_s`); None where it is missing."""
-    for part in key.split("."):
-        r = r.get(part) if isinstance(r, dict) else None
-    return r if isinstance(r, (int, float)) and not isinstance(r, bool) else None
-
-
 def _fmt(key: str, v) -> str:
     if v is None:
         return "-"
@@ -476,12 +469,12 @@ def beside(names, key: str = "tokens_per_s", mine: dict[str, dict] | None = None
     if replay_mode():
         width = max(map(len, names), default=6) + 2
         lines = [f"{'result':<{width}}{label} (replayed)"]
-        lines += [f"{n:<{width}}{_fmt(key, _value(pub[n], key))}" for n in names]
+        lines += [f"{n:<{width}}{_fmt(key, results.value(pub[n], key))}" for n in names]
         return "\n".join(lines)
     mine = here() if mine is None else mine
     rows, notes = [], []
     for n in names:
-        a, b = _value(mine.get(n), key), _value(pub[n], key)
+        a, b = results.value(mine.get(n), key), results.value(pub[n], key)
         star = ""
         if n in mine and pub[n] and on_gpu() and (what := _changed(mine[n], pub[n])):
             star = "*"

@@ -240,11 +240,11 @@ def shown(mine: dict[str, dict], published: dict[str, dict] | None = None
     `published` defaults to the published results of the bars and their second measurements."""
     from tunekit_course import notebook
 
-    names = [name for name, _, _ in waterfall_runs()]
+    bars = waterfall_runs()
     if published is None:
-        published = {n: r for n in names + [n + AGAIN for n in names] if (r := notebook.published(n))}
+        published = {n: r for name, _, _ in bars for n in (name, name + AGAIN) if (r := notebook.published(n))}
     rows = []
-    for name, label, _ in waterfall_runs():
+    for name, label, _ in bars:
         r, p = mine.get(name), published.get(name)
         ref = reference({**published, **mine} if r else published, name) if (r or p) else None
         rows.append((name, label, r, p, describe_change(ref, r or p) if ref else ""))
