@@ -636,6 +636,9 @@ def publish(folder: str | Path | None = None) -> list[Path]:
                                     "(python -m tunekit_course.notebook --publish runs/results/GPU)")
         folder = gpu_folder()
     folder = Path(folder)
+    if folder.is_file():
+        raise NotADirectoryError(f"{folder} is a file: name the folder that holds the results to publish "
+                                 f"(python -m tunekit_course.notebook --publish {folder.parent})")
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder} does not exist: nothing to publish (measure first, or name the folder)")
     if folder.resolve() == RESULTS.resolve():
@@ -962,7 +965,7 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--publish"]:
         try:
             copied = publish(argv[1] if len(argv) > 1 else None)
-        except (FileNotFoundError, ValueError) as e:
+        except (FileNotFoundError, NotADirectoryError, ValueError) as e:
             print(f"--publish: {e}", file=sys.stderr)
             return 2
         print(f"{len(copied)} files copied into {RESULTS}")

@@ -200,8 +200,9 @@ def test_execute_writes_plain_text_progress_and_the_kernelspec(tmp_path, monkeyp
 
 
 def test_notebook_code_fits_a_laptop_screen():
-    """No code line of a notebook is over 100 characters: every cell reads on a laptop screen in JupyterLab."""
-    paths = sorted((REPO_ROOT / "notebooks").glob("*.ipynb"))
+    """No code line of a notebook (or of a draft waiting to replace one) is over 100 characters: every cell reads
+    on a laptop screen in JupyterLab."""
+    paths = sorted([*(REPO_ROOT / "notebooks").glob("*.ipynb"), *(REPO_ROOT / "tunekit_course" / "drafts").glob("*.ipynb")])
     assert paths
     long = [f"{path.name}, cell index {i}, line {j + 1} ({len(line)} characters): {line}"
             for path in paths for i, cell in enumerate(nbformat.read(path, as_version=4).cells)
@@ -459,6 +460,9 @@ def test_publish_copies_a_folder_of_results(fake_gpu, fake_runs, monkeypatch, tm
     assert json.loads((published / "l4_lora_eager.json").read_text())["gpu"] == FAKE
     assert notebook.main(["--publish", str(tmp_path / "nope")]) == 2
     assert "nope does not exist: nothing to publish" in capsys.readouterr().err
+    assert notebook.main(["--publish", str(fake_gpu / "l4_lora_eager.json")]) == 2  # a file, not its folder
+    assert f"is a file: name the folder that holds the results to publish (python -m tunekit_course.notebook " \
+           f"--publish {fake_gpu})" in capsys.readouterr().err
 
 
 def test_intro_says_what_it_measures_and_how_long_the_published_run_took(fake_gpu, monkeypatch, capsys):
