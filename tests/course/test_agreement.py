@@ -1,0 +1,74 @@
+"""The committed notebooks against the published results: every verdict a notebook shows is the one the README
+shows (both judged from notebooks/results), figures included."""
+
+from __future__ import annotations
+
+import nbformat
+
+from tunekit_course import agreement, claims
+
+
+def step(name: str, tps: float, gb: float, batch: int = 4) -> dict:
+    return {"name": name, "tokens_per_s": tps, "peak_memory_gb": gb, "step_time_s": 1.0, "step_time_spread": 0.0,
+            "config": {"batch_size": batch}}
+
+
+def _notebook(path, *outputs: str) -> None:
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# a lesson")]
+    for text in outputs:
+        cell = nbformat.v4.new_code_cell("print(...)")
+        cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=text)]
+        nb.cells.append(cell)
+    nbformat.write(nb, path)
+
+
+def test_printed_verdicts_are_found_in_every_form_a_lesson_shows_them(tmp_path):
+    rs = {r["name"]: r for r in (step("l2_lora_b4", 1000, 60), step("l2_lora_ckpt_b4", 700, 18),
+                                 step("l2_lora_ckpt_b8", 710, 22, batch=8))}
+    v = claims.judge("C8", rs)
+    table = claims.claims_table(rs, where={})
+    path = tmp_path / "02_lesson.ipynb"
+    _notebook(path, f"some text\n{v}\n", f"yours, H200: {v}\npublished, NVIDIA H200 (replayed): {v}\n", table)
+    found = agreement.printed(path)
+    assert [(p.cell, p.side, p.claim) for p in found if p.claim == "C8"] == [
+        (1, "", "C8"), (2, "yours", "C8"), (2, "published", "C8"), (3, "table", "C8")]
+    assert all(p.verdict == v.verdict and p.evidence == v.evidence for p in found if p.claim == "C8")
+    assert len([p for p in found if p.side == "table"]) == len(claims.CLAIMS)  # every row of the table
+    assert agreement.disagreements([path], rs) == []
+
+
+def test_an_older_verdict_or_older_figures_are_named_with_where_they_are(tmp_path):
+    rs = {r["name"]: r for r in (step("l2_lora_b4", 1000, 60), step("l2_lora_ckpt_b4", 700, 18),
+                                 step("l2_lora_ckpt_b8", 710, 22, batch=8))}
+    v = claims.judge("C8", rs)
+    path = tmp_path / "02_lesson.ipynb"
+    older_figures = str(v).replace("saves 70%", "saves 65%")
+    _notebook(path, f"C8 verdict: holds — {v.evidence}\n", older_figures, "packed attention verdict: measured — x\n",
+              "C99 verdict: holds — what no claim says\n")
+    found = agreement.disagreements([path], rs)
+    assert found[0] == (f"02_lesson.ipynb, cell index 1: C8 verdict printed 'holds', the published results give "
+                        f"{v.verdict!r}")
+    assert found[1].startswith("02_lesson.ipynb, cell index 2: C8 verdict") and "its figures do not" in found[1]
+    assert "saves 65%" in found[1] and "saves 70%" in found[1]  # the two figures, side by side
+    # a verdict judged by a function of its own name (no file for it here: unmeasured, not "measured")
+    assert found[2].startswith("02_lesson.ipynb, cell index 3: packed attention verdict printed 'measured'")
+    assert found[3] == "02_lesson.ipynb, cell index 4: C99 is not a claim the course judges any more"
+    assert len(found) == 4
+
+
+# The lessons whose committed outputs predate the judging code or results they show: the verdicts were rescoped
+# (C4/C5 at equal batches, C6 measured, C8 on a 24 GB card, C9 against the default kernel, C11 unmeasured) and
+# FP8's learning added after these notebooks last ran on the GPU; lesson 5 is the 0.1-epoch one its rewrite
+# replaces. Each is re-executed on the GPU and then leaves this list; no other lesson may disagree.
+AWAITING_RE_EXECUTION = {"02_qlora_attention_checkpointing.ipynb", "03_distributed.ipynb", "04_speedups.ipynb",
+                         "05_full_7b_run.ipynb"}
+
+
+def test_the_committed_notebooks_show_the_published_verdicts():
+    found = agreement.disagreements()
+    where = {line.split(",")[0] for line in found}
+    assert where <= AWAITING_RE_EXECUTION, "\n".join(line for line in found
+                                                     if line.split(",")[0] not in AWAITING_RE_EXECUTION)
+    # a lesson re-executed since agrees: take it off the list, so that it stays agreeing
+    assert where == AWAITING_RE_EXECUTION, f"these agree now, take them off the list: {AWAITING_RE_EXECUTION - where}"
