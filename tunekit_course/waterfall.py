@@ -4,7 +4,8 @@ that can hold up. Each bar is `tunekit train` of `article_before` with every cha
 tokens/s, the 10th-90th percentile of its steps (the spread a change must leave to count) and its one-time cost
 (start, data, build, compile: the first step's end on the run's clock) apart. A bar's change is read against the
 bar before it (`bar_change`): step by step where both ran the same batches, so the batches' lengths cancel out,
-and a change inside the spread says so; bars measured on different GPUs are not compared. The whole waterfall is
+and a change inside the spread says so; bars measured on different GPUs are not compared. A change that trades
+one-time cost against steady speed says at what run length the two come out even (`pays_back`). The whole waterfall is
 more than a GPU session of 30 minutes can hold (an estimate: ~90 s a bar, the whole-model compile's bar ~8
 minutes), so it goes in parts, each part's bars on one GPU: `python -m tunekit_course.waterfall SECONDS
 [FIRST-LAST]` goes on where the last command stopped, with the bars FIRST to LAST (their numbers) only. A part
@@ -143,14 +144,45 @@ def bar_change(before: dict, bar: dict) -> dict:
     return {"ratio": ratio, "low": low, "high": high, "within": low <= 1.0 <= high, "how": how}
 
 
+# How far a bar's one-time cost (start, data, build, compile) wanders with nothing changed that touches it: the
+# first five bars, whose changes leave the startup alone, took 24.8-29.2 s on one H200 (l5w_00-l5w_04). A
+# difference in one-time cost smaller than this is not a trade-off.
+ONE_TIME_NOISE_S = 5.0
+
+
+def pays_back(before: dict, bar: dict) -> dict | None:
+    """Where a change trades one-time cost against steady speed (faster steps for a longer start, or the other way
+    round), the run length at which the two bars come out even: {tokens (real tokens trained), seconds (into
+    the run, one-time cost included), faster (which side wins beyond it: "bar" or "before")}. None where there is
+    no trade: one side both starts sooner and runs faster, the one-time costs differ by less than
+    `ONE_TIME_NOISE_S`, or a bar has no one-time cost recorded."""
+    r0, r1 = before["tokens_per_s"], bar["tokens_per_s"]
+    o0, o1 = before.get("one_time_s"), bar.get("one_time_s")
+    if o0 is None or o1 is None or abs(o1 - o0) < ONE_TIME_NOISE_S or r0 == r1 or (r1 > r0) != (o1 > o0):
+        return None
+    tokens = abs(o1 - o0) / abs(1 / r0 - 1 / r1)
+    return {"tokens": tokens, "seconds": o1 + tokens / r1, "faster": "bar" if r1 > r0 else "before"}
+
+
 def describe_change(before: dict, bar: dict) -> str:
-    """One line for a bar's change against the bar before it (`bar_change`), for the lesson to print."""
+    """One line for a bar's change against the bar before it (`bar_change`), for the lesson to print; where the
+    change is outside its spread and trades one-time cost against steady speed (`pays_back`), the run length
+    at which the two come out even."""
     c = bar_change(before, bar)
     head = f"{c['ratio']:.2f}x the bar before"
     if c["within"] is None:
         return f"{head} ({c['how']})"
     spread = f"spread {c['low']:.2f}-{c['high']:.2f}x, {c['how']}"
-    return f"{head} ({spread})" + (": inside its spread, no effect shown" if c["within"] else "")
+    if c["within"]:
+        return f"{head} ({spread}): inside its spread, no effect shown"
+    even = pays_back(before, bar)
+    if even is None:
+        return f"{head} ({spread})"
+    at = f"{even['tokens'] / 1e6:.1f}M real tokens ({even['seconds'] / 60:.0f} min into a run)"
+    once = abs(bar["one_time_s"] - before["one_time_s"])
+    if even["faster"] == "bar":
+        return f"{head} ({spread}); its {once:.0f} s more of one-time cost pays back after {at}"
+    return f"{head} ({spread}); {once:.0f} s less of one-time cost: ahead until {at}, behind after"
 
 
 def measure_waterfall(budget_s: float, runs: list[tuple[str, str, list[str]]] | None = None,

@@ -75,6 +75,30 @@ def test_a_change_of_batching_is_read_over_stretches_and_two_gpus_are_not_compar
     assert "not compared" in waterfall.describe_change(before, _bar([2000.0] * 30, [1000] * 30, uuid="GPU-2"))
 
 
+def test_a_change_that_trades_one_time_cost_for_speed_says_when_it_pays_back():
+    """Whole-model compile against eager: 3x the steps' speed for 600 s more of start; regional against
+    whole-model: a quicker start, slower steps. Both come out even at the same run length, from each side."""
+    tokens = [1000] * 30
+    eager = {**_bar([2000.0] * 30, tokens), "one_time_s": 30.0}
+    whole = {**_bar([5000.0] * 30, tokens), "one_time_s": 630.0}
+    even = waterfall.pays_back(eager, whole)
+    # 600 s = T (1/2000 - 1/5000): T = 2.0M tokens, reached 630 + 400 = 1,030 s into the run, by both
+    assert even["tokens"] == pytest.approx(2.0e6) and even["seconds"] == pytest.approx(1030.0)
+    assert even["faster"] == "bar" and 30.0 + even["tokens"] / 2000.0 == pytest.approx(even["seconds"])
+    assert waterfall.describe_change(eager, whole).endswith(
+        "; its 600 s more of one-time cost pays back after 2.0M real tokens (17 min into a run)")
+    back = waterfall.pays_back(whole, eager)
+    assert back["faster"] == "before" and back["tokens"] == pytest.approx(2.0e6)
+    assert back["seconds"] == pytest.approx(1030.0)
+    assert waterfall.describe_change(whole, eager).endswith(
+        "; 600 s less of one-time cost: ahead until 2.0M real tokens (17 min into a run), behind after")
+    # no trade: faster and quicker to start; one-time costs inside their own noise; none recorded
+    assert waterfall.pays_back(whole, {**whole, "tokens_per_s": 7000.0, "one_time_s": 100.0}) is None
+    assert waterfall.pays_back(eager, {**whole, "one_time_s": 33.0}) is None
+    assert waterfall.pays_back(_bar([2000.0] * 30, tokens), whole) is None
+    assert "pays back" not in waterfall.describe_change(eager, {**whole, "one_time_s": 33.0})
+
+
 def test_bars_are_chosen_by_their_numbers():
     runs = waterfall.waterfall_runs()
     assert [name for name, _, _ in waterfall.bar_range("0-5")] == [f"l5w_{i:02d}" for i in range(6)]
