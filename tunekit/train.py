@@ -7,6 +7,8 @@ data); one optimizer step is `step.train_step`. Speed choices, each with its rea
   Without a mask SDPA can pick its fused flash/cuDNN kernels.
 - Fused AdamW on CUDA (one kernel for all parameters instead of several per tensor).
 - Progress, metrics and checkpoints happen once per step, outside the micro-step.
+- What the run built (model, optimizer, compiled graphs) is frozen out of Python's full garbage collections
+  (`gc_freeze`), which would otherwise scan it all every few dozen steps.
 
 Around the loop, nothing a user ran is lost (README, "Reliability"): a run folder holds one run (checked by
 `checkpoint.open_run` before any data or model work), its files are written once the run has started, a
@@ -101,7 +103,7 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
         memory.reset_peak_memory(device)
         losses, eval_losses, saved_at, t_loop, eval_total = [], [], at.step, time.perf_counter(), 0.0
         world, step = distributed.world_size(), at.step
-        with log:
+        with speedups.frozen_heap(cfg.gc_freeze) as refreeze, log:  # what is built, out of the collector's way
             while step < cfg.max_steps and state["signal"] is None:
                 micro, counts = [], [0, 0]  # this rank's samples and real tokens (counted on the host)
                 for _ in range(cfg.grad_accum):
@@ -119,6 +121,7 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
                 loss, grad_norm = out["loss"].item(), float(out["grad_norm"])
                 if "first_step_s" not in timings:  # compiling and CUDA's warm-up happen here, once a run
                     timings["first_step_s"] = time.perf_counter() - t_loop
+                    log.excluded += refreeze()  # what compiling made joins the frozen heap (not a step's time)
                 losses.append(loss)
                 diverged = not (math.isfinite(loss) and math.isfinite(grad_norm))
                 eval_now = eval_ds is not None and not diverged and (

@@ -221,6 +221,28 @@ def test_tiny_run_loss_falls(make_cfg):
     assert saved["data"]["samples"] == 64
 
 
+def test_the_frozen_heap_changes_no_number_and_is_let_go(make_cfg, monkeypatch):
+    """`gc_freeze` keeps the collector off what the run built; the run is the same, loss for loss, and nothing
+    stays frozen once it returns. Inside the loop the model's objects are frozen, not tracked."""
+    import gc
+
+    seen = []
+    real = train.train_step
+
+    def spying(*args, **kwargs):  # what the collector tracks and what is frozen, at each step
+        seen.append((gc.get_freeze_count(), len(gc.get_objects())))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train, "train_step", spying)
+    frozen = train.train(make_cfg("frozen", max_steps=6), progress=False)
+    assert gc.get_freeze_count() == 0
+    assert all(f > t for f, t in seen) and len(seen) == 6  # most objects frozen at every step
+    seen.clear()
+    plain = train.train(make_cfg("plain", max_steps=6, gc_freeze=False), progress=False)
+    assert all(f == 0 for f, _ in seen)
+    assert frozen["losses"] == plain["losses"]  # exactly: the collector never touches a number
+
+
 def test_prepare_is_reused(make_cfg, capsys):
     cfg = make_cfg()
     _, ds1, stats1 = prepare(cfg)

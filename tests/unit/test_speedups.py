@@ -38,6 +38,33 @@ def test_tf32_is_switched_and_put_back():
     assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == before
 
 
+def test_the_heap_is_frozen_inside_and_let_go_on_exit():
+    import gc
+
+    assert gc.get_freeze_count() == 0
+    kept = [object() for _ in range(10)]  # noqa: F841  (alive on entry: frozen with the rest)
+    with speedups.frozen_heap() as refreeze:
+        frozen = gc.get_freeze_count()
+        assert frozen > 1000 and gc.isenabled()  # the test process's modules, at least
+        made = [[i] for i in range(5000)]  # noqa: F841  (made inside: tracked until refrozen)
+        assert refreeze() >= 0 and gc.get_freeze_count() >= frozen + 5000
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(RuntimeError), speedups.frozen_heap():
+        raise RuntimeError("inside")
+    assert gc.get_freeze_count() == 0
+    with speedups.frozen_heap(enabled=False) as refreeze:
+        assert gc.get_freeze_count() == 0 and refreeze() == 0.0
+    # a process that froze objects of its own keeps its freeze, inside and after
+    gc.freeze()
+    try:
+        own = gc.get_freeze_count()
+        with speedups.frozen_heap() as refreeze:  # nothing added to it, nothing unfrozen (objects may die)
+            assert refreeze() == 0.0 and own - 100 < gc.get_freeze_count() <= own
+        assert own - 100 < gc.get_freeze_count() <= own
+    finally:
+        gc.unfreeze()
+
+
 def test_lion_follows_the_paper_step_by_step():
     """Algorithm 2 of Chen et al. 2023, written out in float64, against `speedups.Lion` over five steps."""
     g = torch.Generator().manual_seed(0)
