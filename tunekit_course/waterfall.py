@@ -16,6 +16,7 @@ that starts after the first bar, on a GPU that has not measured the bar before i
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -30,6 +31,8 @@ from tunekit_course.fullrun import (
     run_segment,
     segments,
 )
+
+ARTICLE_ITEMS = 5  # bars 1-5 are the article's items (ending at article_checklist), the rest the course's
 
 # (label, the fields the change sets); each bar keeps the changes before it. The first five are the article's
 # items (ending at article_checklist; its FlashAttention is SDPA's flash kernel, which the before runs already),
@@ -281,6 +284,57 @@ def shown(mine: dict[str, dict], published: dict[str, dict] | None = None
         ref = reference({**published, **mine} if r else published, name) if (r or p) else None
         rows.append((name, label, r, p, describe_change(ref, r or p) if ref else ""))
     return rows
+
+
+def changes(results: dict[str, dict]) -> list[tuple[str, str, dict | None]]:
+    """Each bar's change after the first, from `results` ({name: result}, one source: yours or the published):
+    (name, label, `bar_change` against its `reference`), None where the bar or its reference is missing or the
+    two were measured on different GPUs."""
+    out = []
+    for name, label, _ in waterfall_runs()[1:]:
+        bar = results.get(name)
+        ref = reference(results, name) if bar else None
+        c = bar_change(ref, bar) if ref else None
+        out.append((name, label, c if c and c["within"] is not None else None))
+    return out
+
+
+def _part(rows: list[tuple[str, str, dict | None]], what: str) -> str:
+    """A sentence on a run of bars: their ratios multiplied (each read on its own GPU), the changes that showed
+    an effect from the largest, those inside their spread; or how many are measured where not all are."""
+    known = [(label, c) for _, label, c in rows if c]
+    if len(known) < len(rows):
+        return f"{what}: {len(known)} of {len(rows)} bars measured and compared, so not added up"
+    product = 1.0
+    for _, c in known:
+        product *= c["ratio"]
+    shown = sorted(((label, c) for label, c in known if not c["within"]), key=lambda lc: -abs(math.log(lc[1]["ratio"])))
+    inside = [label for label, c in known if c["within"]]
+    text = f"{what}: {product:.2f}x the steady rate they start from (each bar's change multiplied)"
+    if shown:
+        text += "; outside their spread: " + ", ".join(f"{label} {c['ratio']:.2f}x" for label, c in shown)
+    if inside:
+        text += "; inside their spread (no effect shown): " + ", ".join(inside)
+    return text
+
+
+def yours_or_published(mine: dict[str, dict]) -> dict[str, dict]:
+    """The bars the lesson's summary reads: those measured here (`mine`, with their second measurements) where
+    any is, else the published ones; one source, so that no change is read across the two."""
+    names = [n for name, _, _ in waterfall_runs() for n in (name, name + AGAIN)]
+    if here := {n: mine[n] for n in names if n in mine}:
+        return here
+    from tunekit_course import notebook
+
+    return {n: r for n in names if (r := notebook.published(n))}
+
+
+def summary(results: dict[str, dict]) -> list[str]:
+    """Two sentences for the lesson's summary, from the bars of `results` (one source): what the article's items
+    did to the before's steady rate, and what the course's changes did after them."""
+    rows = changes(results)
+    return [_part(rows[:ARTICLE_ITEMS], f"The article's {ARTICLE_ITEMS} items, one bar each"),
+            _part(rows[ARTICLE_ITEMS:], f"The course's {len(rows) - ARTICLE_ITEMS} changes after them")]
 
 
 def main(argv: list[str]) -> int:

@@ -99,6 +99,34 @@ def test_a_change_that_trades_one_time_cost_for_speed_says_when_it_pays_back():
     assert "pays back" not in waterfall.describe_change(eager, {**whole, "one_time_s": 33.0})
 
 
+def test_the_summary_adds_up_the_article_s_items_and_the_course_s_changes():
+    """Each part's bars multiplied, each change read on its own GPU (the second part's first bar against the bar
+    before it measured again there), the changes that showed an effect from the largest; a part with a bar
+    missing is not added up."""
+    tokens = [1000] * 30
+    names = [name for name, _, _ in waterfall.waterfall_runs()]
+    labels = {name: label for name, label, _ in waterfall.waterfall_runs()}
+    rates = [1000.0, 1000.0, 1000.0, 1000.0, 1000.0, 3000.0]  # the article's: compile alone moves it
+    def wobbling(i: int, rate: float) -> list[float]:  # a bar's steps, each within 5% of its rate
+        return [rate * (1.0 + 0.05 * ((i + k) % 3 - 1)) for k in range(30)]
+
+    first = {name: _bar(wobbling(i, r), tokens, "GPU-1") for i, (name, r) in enumerate(zip(names, rates))}
+    lines = waterfall.summary(first)
+    whole = first["l5w_05"]["tokens_per_s"] / first["l5w_00"]["tokens_per_s"]  # one GPU: the ends' own ratio
+    assert lines[0].startswith(f"The article's 5 items, one bar each: {whole:.2f}x the steady rate")
+    assert f"outside their spread: {labels['l5w_05']} 3.00x; inside their spread (no effect shown): " \
+           f"{labels['l5w_01']}, {labels['l5w_02']}" in lines[0]
+    assert lines[1] == "The course's 10 changes after them: 0 of 10 bars measured and compared, so not added up"
+    # the rest on another GPU, its reference bar measured again there (at another speed: another machine)
+    second = {"l5w_05_again": _bar([3300.0] * 30, tokens, "GPU-2")}
+    course = [3300.0 * 0.5, *[3300.0 * 0.5 * 4] * 3, *[3300.0 * 0.5 * 4 * 1.5] * 6]  # 0.5x, then 4x, then 1.5x
+    second.update((name, _bar([r] * 30, tokens, "GPU-2")) for name, r in zip(names[6:], course))
+    lines = waterfall.summary({**first, **second})
+    assert lines[1].startswith(f"The course's 10 changes after them: {0.5 * 4 * 1.5:.2f}x the steady rate")
+    assert f"outside their spread: {labels['l5w_07']} 4.00x, {labels['l5w_06']} 0.50x, {labels['l5w_10']} 1.50x" \
+           in lines[1]
+
+
 def test_bars_are_chosen_by_their_numbers():
     runs = waterfall.waterfall_runs()
     assert [name for name, _, _ in waterfall.bar_range("0-5")] == [f"l5w_{i:02d}" for i in range(6)]
