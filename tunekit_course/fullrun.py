@@ -524,11 +524,29 @@ def background_folder() -> Path:
     return run_folder("background")
 
 
+def chain(argv: list[str]) -> list[list[str]]:
+    """`argv` split at each ";" into the commands of a chain (`detach` runs them in order); ValueError where one
+    is empty."""
+    groups, group = [], []
+    for arg in [*argv, ";"]:
+        if arg != ";":
+            group.append(arg)
+            continue
+        if not group:
+            raise ValueError(f"an empty command in the chain {' '.join(argv)!r}: put ';' only between commands")
+        groups.append(group)
+        group = []
+    return groups
+
+
 def detach(argv: list[str]) -> int:
     """Start `python -m tunekit_course.fullrun ARGV` in a session of its own, which outlives the command that
     started it (on a GPU machine lent one command at a time, a run longer than a command goes on while the next
     command follows it with `follow`): one whole-model compile for the whole run instead of one per command.
-    Returns its process id; refuses while an earlier detached run is still going."""
+    ARGV may chain several of this module's commands, separated by ";" (`chain`): each runs once the one before
+    it ends with exit code 0, and the chain stops at the first that does not, with its code. Returns the
+    process id; refuses while an earlier detached run is still going."""
+    commands = chain(argv)
     folder = background_folder()
     if (pid := _background_pid()) is not None:
         raise RuntimeError(f"a detached run (process {pid}) is still going: follow it with `python -m "
@@ -539,7 +557,12 @@ def detach(argv: list[str]) -> int:
     from tunekit_course import notebook
 
     code = ("import sys; from pathlib import Path; from tunekit_course import fullrun, notebook; "
-            f"notebook.RUNS = Path({str(notebook.RUNS)!r}); code = fullrun.main({argv!r}); "
+            f"notebook.RUNS = Path({str(notebook.RUNS)!r}); code = 0\n"
+            f"for argv in {commands!r}:\n"
+            "    print('detached: python -m tunekit_course.fullrun ' + ' '.join(argv), flush=True)\n"
+            "    code = fullrun.main(argv)\n"
+            "    if code:\n"
+            "        break\n"
             f"Path({str(folder / 'exit')!r}).write_text(str(code)); sys.exit(code)")
     with open(folder / "log", "wb") as log:
         proc = subprocess.Popen([sys.executable, "-u", "-c", code], stdin=subprocess.DEVNULL, stdout=log,
@@ -607,7 +630,8 @@ def main(argv: list[str]) -> int:
     # python -m tunekit_course.fullrun BUDGET_SECONDS [NAME,NAME]                      lesson 5's whole runs
     # python -m tunekit_course.fullrun NAME BUDGET_SECONDS TRAIN_ARGS...               one whole run's segment
     # python -m tunekit_course.fullrun --rederive FOLDER HEADER.json OUT.json [NAME]   a run brought back
-    # python -m tunekit_course.fullrun --detach ARGS...      the same, in a process that outlives this command
+    # python -m tunekit_course.fullrun --detach ARGS... [";" ARGS...]   the same, in a process that outlives this
+    #                                                      command; several, one after the other, split by ";"
     # python -m tunekit_course.fullrun --follow SECONDS       what the detached run printed since, until it ends
     # python -m tunekit_course.fullrun --waterfall SECONDS [FIRST-LAST]   the waterfall's bars (--detach takes it)
     # (exit code 3: not all finished, go on in the next command)
@@ -629,7 +653,7 @@ def main(argv: list[str]) -> int:
     if len(argv) >= 2 and argv[0] == "--detach":
         try:
             detach(argv[1:])
-        except RuntimeError as e:
+        except (RuntimeError, ValueError) as e:
             print(f"fullrun: {e}", file=sys.stderr)
             return 2
         return 0
@@ -646,7 +670,8 @@ def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[0].startswith("--"):
         print("usage: python -m tunekit_course.fullrun BUDGET_SECONDS [NAME,...] | NAME "
               "BUDGET_SECONDS TRAIN_ARGS... (e.g. l5_mine 480 --preset article_before) | --rederive FOLDER "
-              "HEADER.json OUT.json [NAME] | --detach ARGS... | --follow SECONDS | --waterfall BUDGET_SECONDS [FIRST-LAST]",
+              "HEADER.json OUT.json [NAME] | --detach ARGS... [';' ARGS...] | --follow SECONDS | --waterfall BUDGET_SECONDS "
+              "[FIRST-LAST]",
               file=sys.stderr)
         return 2
     name, budget, *args = argv

@@ -117,6 +117,15 @@ def test_a_detached_run_outlives_its_command_and_is_followed_to_its_end(tmp_path
     assert fullrun.main(["--follow", "600"]) == 5 and "start it again" in capsys.readouterr().out
     assert fullrun.main(["--waterfall", "60", "9-2"]) == 2  # the waterfall's command, which --detach can run
     assert "bars are numbered 0 to" in capsys.readouterr().err
+    # a chain: each command once the one before it ended well; the first that does not ends the chain, with its code
+    assert fullrun.main(["--detach", "3600", "l5_smoke_a", ";", "0", "l5_smoke_b", ";", "3600", "l5_smoke_a"]) == 0
+    assert fullrun.main(["--follow", "600"]) == 5
+    out = capsys.readouterr().out
+    assert out.count("detached: python -m tunekit_course.fullrun") == 2  # the third never started
+    assert "detached: python -m tunekit_course.fullrun 0 l5_smoke_b" in out and "start it again" in out
+    assert fullrun.main(["--detach", "3600", "l5_smoke_a", ";", ";", "60"]) == 2
+    assert "an empty command in the chain" in capsys.readouterr().err
+    assert fullrun.chain(["1", "a", ";", "--waterfall", "2", "3-4"]) == [["1", "a"], ["--waterfall", "2", "3-4"]]
 
 
 def test_lesson5_runs_on_a_gpu_are_the_three_recipes_and_a_24_gb_card():
