@@ -16,8 +16,9 @@
   collections, which otherwise scan all of it every few dozen steps. CPU and GPU alike; no effect on the numbers.
 
 The optimizers (AdamW, 8-bit, paged, Lion) are `tunekit/optim.py`; the fused LoRA linear `tunekit/fastlora.py`.
-Each switch is a config field (`tf32`, `compile`, `kernels`, `loss`, `fp8`, `gc_freeze`), so `tunekit train` and `tunekit
-bench` take it as a flag; `build.apply_techniques` applies them.
+Each switch is a config field (`tf32`, `compile`, `kernels`, `loss`, `fp8`, `gc_freeze`), so `tunekit train` and
+`tunekit bench` take it as a flag; `build.apply_techniques` applies them (`gc_freeze`: `train.train`, around its
+loop).
 """
 
 from __future__ import annotations
