@@ -221,10 +221,7 @@ class TuneConfig:
     """`liger`: Liger's fused Triton kernels for RMSNorm, RoPE and SwiGLU (GPU only; pair with --loss liger
     for its fused linear cross-entropy). `none`: the model's own."""
     gc_freeze: bool = True
-    """Keep Python's cyclic garbage collector off what the run has built: the objects alive when the loop starts,
-    and again after the first step (what compiling made), are frozen (`gc.freeze`), so its full collections
-    scan only what the steps make instead of every module, tensor and compiled graph; unfrozen when the run
-    ends. No effect on the numbers; the same on CPU and GPU."""
+    """Freeze what the run built out of Python's full garbage collections (tunekit/speedups.py `frozen_heap`)."""
     fp8: bool = False
     """torchao float8 training (rowwise scales) for the large linear layers: FP8 tensor-core matmuls on
     Hopper/Ada GPUs, weights kept bf16. Pays off with --compile (the casts fuse); GPU only. With --fast-lora,
@@ -357,14 +354,12 @@ class TuneConfig:
         return self.batch_size * self.grad_accum * self.max_length * world_size
 
 
-# Fields a resumed run may change (`tunekit train --resume --allow-config-change`): none of them touches the
-# weights, the data order or the optimizer state. A new `max_steps` recomputes the cosine schedule for the new
-# length (as a new `epochs` does), so the learning rate jumps at the resumed step; the benchmark fields are not
-# read by training.
+# Fields a resumed run may change (`tunekit train --resume --allow-config-change`): none touches the weights, the
+# data order or the optimizer state. A new `max_steps` recomputes the cosine schedule for the new length (as a
+# new `epochs` does), so the learning rate jumps at the resumed step; training reads no benchmark field.
 RESUME_SAFE_FIELDS = ("max_steps", "epochs", "save_every", "log_every", "keep_checkpoints", "num_workers", "pin_memory",
                       "compile", "tf32", "gc_freeze", "eval_every", "prefetch_factor", "persistent_workers", "cpu_threads", "bench_warmup", "bench_steps",
                       "bench_max_steps", "bench_target_error")
-
 
 TYPE_WORDS = {int: "int (a whole number, e.g. 8)", float: "float (a number, e.g. 3e-4)", bool: "bool (true or false)",
               str: "str (text)"}

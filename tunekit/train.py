@@ -7,8 +7,6 @@ data); one optimizer step is `step.train_step`. Speed choices, each with its rea
   Without a mask SDPA can pick its fused flash/cuDNN kernels.
 - Fused AdamW on CUDA (one kernel for all parameters instead of several per tensor).
 - Progress, metrics and checkpoints happen once per step, outside the micro-step.
-- What the run built (model, optimizer, compiled graphs) is frozen out of Python's full garbage collections
-  (`gc_freeze`), which would otherwise scan it all every few dozen steps.
 
 Around the loop, nothing a user ran is lost (README, "Reliability"): a run folder holds one run (checked by
 `checkpoint.open_run` before any data or model work), its files are written once the run has started, a
@@ -97,7 +95,6 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
         state.update(started=True, step=at.step, checkpoint=opened.ckpt)  # a signal now stops at a step's end
         rows = _start(cfg, run_dir, resolved_config(cfg, device, dtype), opened, stats, at.step, main, overwrite, say)
         last_finite = next(((r["step"], r["loss"]) for r in reversed(rows) if r["loss"] is not None), None)
-
         stream = batches_from(ds, cfg, tokenizer.pad_token_id, at.epoch, at.next_batch)
         log = _Log(run_dir / "metrics.jsonl" if main else None, cfg.max_steps, at.step, progress, say)
         memory.reset_peak_memory(device)
