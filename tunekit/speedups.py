@@ -24,6 +24,7 @@ loop).
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib.util
 import time
 
@@ -60,8 +61,6 @@ def frozen_heap(enabled: bool = True):
     Yields `refreeze()`, which freezes what has been made since (call it after the first step, once compiling
     is done) and returns the seconds it took. Unfrozen on exit. Nothing is done where the process froze objects
     of its own already (their freeze is its business) or with `enabled` False: `refreeze()` then does nothing."""
-    import gc
-
     if not enabled or gc.get_freeze_count():
         yield lambda: 0.0
         return

@@ -86,7 +86,7 @@ def disagreements(paths: list[Path] | None = None, rs: dict[str, dict] | None = 
         for p in printed(path):
             where = f"{p.notebook}, cell index {p.cell}" + (f" ({p.side})" if p.side else "")
             if p.claim not in judged:
-                judged[p.claim] = _judge(p.claim, rs)
+                judged[p.claim] = claims.judge_any(p.claim, rs)
             if (now := judged[p.claim]) is None:
                 out.append(f"{where}: {p.claim} is not a claim the course judges any more")
                 continue
@@ -97,22 +97,6 @@ def disagreements(paths: list[Path] | None = None, rs: dict[str, dict] | None = 
                 out.append(f"{where}: {p.claim} verdict {p.verdict!r} agrees, its figures do not: printed "
                            f"{_first_difference(p.evidence, now.evidence)}")
     return out
-
-
-def _judge(claim: str, rs: dict[str, dict]):
-    """The verdict on `claim` from `rs`: a claim of the table (`claims.judge`), or one a lesson judges with a
-    function of its own name (`claims.packed_attention` for "packed attention"); None where there is neither."""
-    from tunekit_course import claims
-
-    if claim in claims.CLAIMS:
-        return claims.judge(claim, rs)
-    how = getattr(claims, claim.replace(" ", "_"), None)
-    if not callable(how):
-        return None
-    try:
-        return how(claims._Results(rs))
-    except claims.MissingResult as e:
-        return claims.Verdict(claim, "unmeasured", f"no result file {e.args[0]}.json in notebooks/results")
 
 
 def _first_difference(printed: str, now: str, context: int = 40) -> str:

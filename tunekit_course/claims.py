@@ -861,6 +861,19 @@ def judge(claim: str, rs: dict[str, dict]) -> Verdict:
     _, how = CLAIMS[claim]
     if isinstance(how, str):
         return Verdict(claim, "unmeasured", f"no result file yet: {how}")
+    return _judged_by(claim, how, rs)
+
+
+def judge_any(claim: str, rs: dict[str, dict]) -> Verdict | None:
+    """`judge` for a claim of `CLAIMS`, or the verdict of one a lesson judges with a function of its own name
+    (`packed_attention` for "packed attention"); None where there is neither."""
+    if claim in CLAIMS:
+        return judge(claim, rs)
+    how = globals().get(claim.replace(" ", "_"))
+    return _judged_by(claim, how, rs) if callable(how) else None
+
+
+def _judged_by(claim: str, how, rs: dict[str, dict]) -> Verdict:
     try:
         return how(_Results(rs))
     except MissingResult as e:

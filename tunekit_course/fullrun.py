@@ -527,15 +527,14 @@ def background_folder() -> Path:
 def chain(argv: list[str]) -> list[list[str]]:
     """`argv` split at each ";" into the commands of a chain (`detach` runs them in order); ValueError where one
     is empty."""
-    groups, group = [], []
-    for arg in [*argv, ";"]:
-        if arg != ";":
-            group.append(arg)
-            continue
-        if not group:
-            raise ValueError(f"an empty command in the chain {' '.join(argv)!r}: put ';' only between commands")
-        groups.append(group)
-        group = []
+    groups: list[list[str]] = [[]]
+    for arg in argv:
+        if arg == ";":
+            groups.append([])
+        else:
+            groups[-1].append(arg)
+    if not all(groups):
+        raise ValueError(f"an empty command in the chain {' '.join(argv)!r}: put ';' only between commands")
     return groups
 
 

@@ -273,13 +273,9 @@ def shown(mine: dict[str, dict], published: dict[str, dict] | None = None
     before it is not measured). A bar measured here is read against the bars measured here, the published ones
     where those are missing (and then not compared: other GPUs); a published bar against the published ones.
     `published` defaults to the published results of the bars and their second measurements."""
-    from tunekit_course import notebook
-
-    bars = waterfall_runs()
-    if published is None:
-        published = {n: r for name, _, _ in bars for n in (name, name + AGAIN) if (r := notebook.published(n))}
+    published = _published_bars() if published is None else published
     rows = []
-    for name, label, _ in bars:
+    for name, label, _ in waterfall_runs():
         r, p = mine.get(name), published.get(name)
         ref = reference({**published, **mine} if r else published, name) if (r or p) else None
         rows.append((name, label, r, p, describe_change(ref, r or p) if ref else ""))
@@ -308,25 +304,32 @@ def _part(rows: list[tuple[str, str, dict | None]], what: str) -> str:
     product = 1.0
     for _, c in known:
         product *= c["ratio"]
-    shown = sorted(((label, c) for label, c in known if not c["within"]), key=lambda lc: -abs(math.log(lc[1]["ratio"])))
+    effects = sorted(((label, c) for label, c in known if not c["within"]), key=lambda lc: -abs(math.log(lc[1]["ratio"])))
     inside = [label for label, c in known if c["within"]]
     text = f"{what}: {product:.2f}x the steady rate they start from (each bar's change multiplied)"
-    if shown:
-        text += "; outside their spread: " + ", ".join(f"{label} {c['ratio']:.2f}x" for label, c in shown)
+    if effects:
+        text += "; outside their spread: " + ", ".join(f"{label} {c['ratio']:.2f}x" for label, c in effects)
     if inside:
         text += "; inside their spread (no effect shown): " + ", ".join(inside)
     return text
 
 
+def _bar_names() -> list[str]:
+    """Every bar's result name and its second measurement's (NAME_again)."""
+    return [n for name, _, _ in waterfall_runs() for n in (name, name + AGAIN)]
+
+
+def _published_bars() -> dict[str, dict]:
+    """{name: result} of the published bars and their second measurements."""
+    from tunekit_course import notebook
+
+    return {n: r for n in _bar_names() if (r := notebook.published(n))}
+
+
 def yours_or_published(mine: dict[str, dict]) -> dict[str, dict]:
     """The bars the lesson's summary reads: those measured here (`mine`, with their second measurements) where
     any is, else the published ones; one source, so that no change is read across the two."""
-    names = [n for name, _, _ in waterfall_runs() for n in (name, name + AGAIN)]
-    if here := {n: mine[n] for n in names if n in mine}:
-        return here
-    from tunekit_course import notebook
-
-    return {n: r for n in names if (r := notebook.published(n))}
+    return {n: mine[n] for n in _bar_names() if n in mine} or _published_bars()
 
 
 def summary(results: dict[str, dict]) -> list[str]:
