@@ -1,4 +1,4 @@
-"""What each `tunekit` command does, once `tunekit/cli.py` has parsed its arguments: `RUN[name](args, cfg, rest)`
+"""What each `tunekit` command does, once its arguments are parsed (`tunekit.arguments`): `RUN[name](args, cfg, rest)`
 with the resolved config (None for a command without config fields) and the config fields as given; `train`,
 `export` and `generate` own their errors and signals. Each imports what it needs when it runs, so `tunekit
 --help` loads no model code.

@@ -455,7 +455,7 @@ def whole_runs(sides: dict[str, dict[str, dict]], labels: dict[str, str] | None 
     """Lesson 5's whole runs: on the left the training loss against minutes since each run's start (the first
     series' runs; dots: the held-out loss after each epoch), on the right each run's steady real tokens/s, a bar
     per series, with the article's speed-up (C16) drawn on the row `article[0]` against `article[1]`."""
-    from tunekit_course.fullrun import elapsed_minutes
+    from tunekit_course.runlog import elapsed_minutes
 
     first = next(iter(sides.values()), {})
     names = list(dict.fromkeys([*(labels or {}), *(n for rs in sides.values() for n in rs)]))

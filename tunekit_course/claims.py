@@ -533,11 +533,11 @@ def fused_kernels(rs: dict[str, dict]) -> Verdict:
 def fp8(rs: dict[str, dict]) -> Verdict:
     """FP8's speed (lesson 4's step, with and without compile) and whether it learns as bf16 does: lesson 5's
     whole run of tunekit's recipe (FP8 base weights) against the same recipe without FP8 on the same batches
-    (the 24 GB run, whole or stopped), where both were measured (`fullrun.describe_fp8`)."""
+    (the 24 GB run, whole or stopped), where both were measured (`runlog.describe_fp8`)."""
     v = _switch_with_and_without_compile(rs, "fp8", "torchao float8 (rowwise)", "fp8")
     bf16 = rs.get("l5_tunekit_24gb") or rs.get("l5_tunekit_24gb_stopped")
     if "l5_tunekit" in rs and bf16:
-        from tunekit_course.fullrun import describe_fp8
+        from tunekit_course.runlog import describe_fp8
 
         v.evidence += f". Learning: {describe_fp8(rs['l5_tunekit'], bf16)}"
         v.files += (rs["l5_tunekit"]["name"], bf16["name"])
@@ -650,6 +650,7 @@ def speed_table(rs: dict[str, dict]) -> str:
 # ---- issue 15: 1 to 8 GPUs -------------------------------------------------------------------------------------
 
 SCALING_TARGET = (0.90, 11_500)  # FSDP2 full fine-tune: per-GPU speed kept from 1 to 8 GPUs, tok/s per GPU at 8
+SCALING_GPUS = (1, 2, 4, 8)  # the GPU counts lesson 3 measures each workload on (`notebook.scaling_plan`)
 
 
 def scaling_points(rs: dict[str, dict]) -> dict[str, dict[int, dict]]:
@@ -664,8 +665,6 @@ def scaling_points(rs: dict[str, dict]) -> dict[str, dict[int, dict]]:
 def scaling(rs: dict[str, dict]) -> Verdict:
     """Issue 15: each workload's tok/s per GPU, its share of one GPU's (scaling efficiency) and peak memory at
     every GPU count measured; the target on FSDP2 full fine-tuning at 8 GPUs. Counts not measured are named."""
-    from tunekit_course.notebook import SCALING_GPUS
-
     points = scaling_points(rs)
     if not points:
         raise MissingResult("l3_scale_fsdp_full_1gpu")
@@ -718,7 +717,7 @@ def c16(rs: dict[str, dict]) -> Verdict:
     (start, data, build, compile, steps, held-out evaluation; a run's segments added up): one GSM8K epoch of
     the article's before (`l5_article_before`) and of its checklist as written (`l5_article_checklist`). The
     verdict is on checklist / before, the article's claim, in steady real tokens a second with its spread
-    (`fullrun.steady_vs`): the article speaks of a 14-day run, where the steady steps decide and a one-time cost
+    (`runlog.steady_vs`): the article speaks of a 14-day run, where the steady steps decide and a one-time cost
     such as the compile is lost; the one epoch's wall-clock ratio stands beside it. tunekit's recipe
     (`l5_tunekit`, three epochs) is what the course adds, reported beside it. Nothing here is projected but the
     14-day figures, which say so."""
@@ -733,7 +732,7 @@ def c16(rs: dict[str, dict]) -> Verdict:
         files.append(other["name"])
     verdict = "unmeasured: the checklist's whole epoch is not run yet"
     if "l5_article_checklist" in rs:
-        from tunekit_course.fullrun import steady_vs
+        from tunekit_course.runlog import steady_vs
 
         check = rs["l5_article_checklist"]
         wall = before["wall_s"] / check["wall_s"]
@@ -761,7 +760,7 @@ def c16(rs: dict[str, dict]) -> Verdict:
                      "(torch.compile of the whole model)")
         files.append(part["name"])
     if "l5_tunekit" in rs:
-        from tunekit_course.fullrun import steady_vs
+        from tunekit_course.runlog import steady_vs
 
         tk = rs["l5_tunekit"]
         first = _first_epoch_s(tk)

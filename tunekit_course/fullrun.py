@@ -11,7 +11,6 @@ real tokens/s (the steps after the first of each segment, which compiles and war
 
 from __future__ import annotations
 
-import itertools
 import json
 import re
 import signal
@@ -23,26 +22,16 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from tunekit.io import atomic_write_json
-from tunekit.stopping import read_metrics_file
 from tunekit_course.cards import CARDS
-
-
-def logged_rows(folder: Path) -> list[dict]:
-    """The rows the run in `folder` logged (`metrics.jsonl`), oldest first; none before its first step."""
-    path = folder / "metrics.jsonl"
-    return read_metrics_file(path) if path.exists() else []
-
-
-def done(folder: Path) -> bool:
-    """Whether the run in `folder` finished (its summary is written last, after the final checkpoint)."""
-    return (folder / "summary.json").exists()
-
-
-def segments(folder: Path) -> list[dict]:
-    """The segments run so far in `folder` (`segments.json`), oldest first."""
-    path = Path(folder) / "segments.json"
-    return json.loads(path.read_text()) if path.exists() else []
-
+from tunekit_course.runlog import (
+    derived_fields,
+    describe_fp8,
+    done,
+    gpu_uuid,
+    logged_rows,
+    segments,
+    steady_vs,
+)
 
 EXIT_GRACE_S = 60.0  # how long a run that said its error may take to exit before it is killed
 
@@ -133,71 +122,6 @@ def run_segment(folder: str | Path, args: list[str], budget_s: float, poll_s: fl
     return segment
 
 
-def _steady_rows(rows: list[dict], firsts: set[int]) -> list[tuple[dict, dict]]:
-    # (previous row, row) for each logged row but each segment's first (it compiles and warms up)
-    return [(prev, row) for prev, row in itertools.pairwise(rows) if row["step"] not in firsts]
-
-
-def steady_tokens_per_s(rows: list[dict], firsts: set[int]) -> float:
-    """Real tokens per second of the training steps, leaving out each segment's first step (`firsts`: it
-    compiles and warms up): the tokens between consecutive rows over the steps' own time (each row's tokens/s
-    is over its steps alone, without the held-out evaluations, which the wall-clock counts)."""
-    pairs = _steady_rows(rows, firsts)
-    tokens = sum(row["tokens"] - prev["tokens"] for prev, row in pairs)
-    seconds = sum((row["tokens"] - prev["tokens"]) / row["tok_per_s"] for prev, row in pairs if row["tok_per_s"])
-    return tokens / seconds if seconds > 0 else 0.0
-
-
-def p10_p90(values: list[float]) -> tuple[float, float]:
-    """The 10th and 90th percentile of `values` (some), as the lessons report a spread."""
-    values = sorted(values)
-    return values[len(values) // 10], values[9 * len(values) // 10]
-
-
-# what decides a run's batches and their order: two runs that agree on these (and on the tokens they saw) trained
-# on the same batches, step for step
-BATCHING = ("data", "seed", "batch_size", "grad_accum", "max_length", "packing", "epochs", "max_steps")
-
-
-def same_batching(a: dict, b: dict, ignore: tuple[str, ...] = ()) -> bool:
-    """Whether results `a` and `b` agree on every field of `BATCHING` but those of `ignore` (the length of a run
-    changes where it stops, not which batches come first)."""
-    mine, theirs = a.get("config") or {}, b.get("config") or {}
-    return all(mine.get(k) == theirs.get(k) for k in BATCHING if k not in ignore)
-
-
-def steady_vs(run: dict, base: dict) -> tuple[float, float | None, float | None, str]:
-    """`run`'s steady real tokens/s over `base`'s, as (ratio, low, high, how the spread was taken). Where the two
-    trained on the same batches in the same order (`BATCHING` and the tokens seen agree: recipes that leave the
-    batching alone), the spread is the 10th-90th percentile of the step-by-step ratios, each step against the
-    same step of the other, a segment's first step (the compile's) left out; otherwise it is each run's own
-    10th-90th percentile, lowest over highest and highest over lowest. No spread (None) where neither is known."""
-    ratio = run["tokens_per_s"] / base["tokens_per_s"]
-    if run.get("tokens_seen") == base.get("tokens_seen") and same_batching(run, base):
-        firsts = {s.get("first_step") for r in (run, base) for s in r.get("segments") or []}
-        other = {row[0]: row[2] for row in base.get("curve") or []}
-        steps = [row[2] / other[row[0]] for row in run.get("curve") or []
-                 if row[0] not in firsts and other.get(row[0]) and row[2]]
-        if len(steps) > 2:
-            low, high = p10_p90(steps)
-            return ratio, low, high, f"step by step over the same {len(steps)} steps, 10th-90th percentile"
-    if run.get("tok_per_s_p10_p90") and base.get("tok_per_s_p10_p90"):
-        (low, high), (b_low, b_high) = run["tok_per_s_p10_p90"], base["tok_per_s_p10_p90"]
-        return ratio, low / b_high, high / b_low, "from each run's own 10th-90th percentile: other batches"
-    return ratio, None, None, "no spread recorded"
-
-
-def derived_fields(rows: list[dict], segs: list[dict]) -> dict:
-    """What a run's logged rows give: steady tokens/s, the 10th-90th percentile of the rows' tokens/s (the
-    spread within the run), and the curve the lesson draws ([step, loss, tokens/s, seconds since the
-    segment's start], one a logged row)."""
-    firsts = {s["first_step"] for s in segs if s["first_step"] is not None}
-    per = sorted(row["tok_per_s"] for _, row in _steady_rows(rows, firsts))
-    return {"tokens_per_s": round(steady_tokens_per_s(rows, firsts), 1),
-            "tok_per_s_p10_p90": list(p10_p90(per)) if per else None,
-            "curve": [[r["step"], round(r["loss"], 4), r["tok_per_s"], r["elapsed_s"]] for r in rows]}
-
-
 def _samples(folder: Path) -> int:
     return json.loads((folder / "data.json").read_text())["samples"]  # the samples of one epoch
 
@@ -206,24 +130,13 @@ def _summary(folder: Path) -> dict:  # the run's last word: its timings (start, 
     return json.loads((folder / "summary.json").read_text())
 
 
-def gpu_uuid() -> str | None:
-    """The physical GPU this process measures on (its UUID), None without CUDA: two machines of the same GPU model
-    differ by more than many changes do (18% seen between two H200 machines), so results are compared as the
-    same machine's only where their UUIDs say so."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None)
-    return str(uuid) if uuid is not None else None
-
-
 def result(name: str, folder: str | Path) -> dict:
     """The result file of the finished run in `folder`: wall-clock added up over its segments, each segment, the
     held-out losses (step, loss) beside their baselines (`evaluate.run_baselines`), steady-state real tokens/s,
     peak memory, and the GPU that wrote it (`gpu_uuid`: its last segment's, where segments ran on several)."""
     from tunekit.config import TuneConfig
     from tunekit.results import code_file, new_result
+    from tunekit_course import runlog
 
     folder = Path(folder)
     if not done(folder):
@@ -239,7 +152,8 @@ def result(name: str, folder: str | Path) -> dict:
     baselines = run_baselines(cfg) if (cfg.eval_data or cfg.eval_split) else None
     return new_result(
         name, cfg, derived.pop("tokens_per_s"), max(r["peak_mem_gb"] for r in rows),
-        call=f"fullrun.result({name!r}, {folder.name!r})", code_files=(code_file(__file__),),
+        call=f"fullrun.result({name!r}, {folder.name!r})",
+        code_files=(code_file(__file__), code_file(runlog.__file__)),
         wall_s=round(sum(s["wall_s"] for s in segs), 1),
         segments=segs, steps=summary["steps"], epochs_seen=summary.get("epochs_seen"),
         eval_losses=summary.get("eval_losses"), eval_loss=summary.get("eval_loss"),
@@ -336,20 +250,6 @@ def model_folder(runs: list[tuple[str, list[str], dict]] | None = None) -> Path 
     return (tunekit or kept or [None])[0]
 
 
-def elapsed_minutes(r: dict) -> list[float]:
-    """The minutes since the run's start at each row of result `r`'s curve: a row's seconds since its segment
-    started, plus the wall-clock of the segments before it (the time between commands not counted)."""
-    offsets, before = [], 0.0
-    for seg in r.get("segments") or []:
-        offsets.append((seg.get("first_step") or 0, before))
-        before += seg["wall_s"]
-    out = []
-    for step, _, _, elapsed in r.get("curve") or []:
-        offset = max((o for first, o in offsets if first <= step), default=0.0)
-        out.append((offset + elapsed) / 60)
-    return out
-
-
 def measured(name: str) -> bool:
     """Whether the whole run NAME has a result on this GPU already (your results folder, `notebook.results_dir`):
     it is read back, not run again, unless TUNEKIT_REMEASURE=1 (as `notebook.measure` does)."""
@@ -391,45 +291,6 @@ def measure_runs(budget_s: float, runs: list[tuple[str, list[str], dict]] | None
     print(f"whole runs done: {', '.join(finished) or 'none yet'}; "
           + ("all done" if len(finished) == len(runs) else "run this again to go on"))
     return finished
-
-
-def fp8_vs_bf16(fp8: dict, bf16: dict, window: int = 20) -> dict | None:
-    """Whether FP8 base weights learn as bf16 does, from two runs of tunekit's recipe on the same batches (the
-    24 GB run is the recipe without FP8, with checkpointing and the same samples a step): the training losses
-    step by step, each averaged over `window` steps (one step's loss wobbles with its batch), their largest and
-    last gaps, and the held-out loss after each epoch both reached. None where the two did not train on the same
-    batches (`BATCHING`); the gaps None where they share fewer than `window` steps."""
-    if not same_batching(fp8, bf16, ignore=("epochs", "max_steps")):
-        return None
-    a, b = ({row[0]: row[1] for row in r.get("curve") or []} for r in (fp8, bf16))
-    steps = sorted(set(a) & set(b))
-    theirs_eval = dict(bf16.get("eval_losses") or [])
-    evals = [(step, loss, theirs_eval[step]) for step, loss in fp8.get("eval_losses") or [] if step in theirs_eval]
-    if len(steps) < window:
-        return {"steps": len(steps), "window": window, "largest_gap": None, "last_gap": None, "held_out": evals}
-
-    def smooth(losses: dict) -> list[float]:
-        values = [losses[s] for s in steps]
-        return [sum(values[i - window + 1:i + 1]) / window for i in range(window - 1, len(values))]
-
-    gaps = [x - y for x, y in zip(smooth(a), smooth(b))]
-    return {"steps": len(steps), "window": window, "largest_gap": max(gaps, key=abs), "last_gap": gaps[-1],
-            "held_out": evals}
-
-
-def describe_fp8(fp8: dict, bf16: dict) -> str:
-    """`fp8_vs_bf16` as a sentence for the lesson, or why it cannot be said."""
-    c = fp8_vs_bf16(fp8, bf16)
-    if c is None:
-        return f"FP8 against bf16: {fp8['name']} and {bf16['name']} did not train on the same batches"
-    held = "; ".join(f"after step {s}: FP8 {x:.3f}, bf16 {y:.3f} nats" for s, x, y in c["held_out"])
-    if c["largest_gap"] is None:
-        return (f"FP8 against bf16: {fp8['name']} and {bf16['name']} share {c['steps']} logged steps, too few to "
-                "compare their losses" + (f"; held-out loss {held}" if held else ""))
-    return (f"FP8 base weights against bf16 on the same batches ({fp8['name']} against {bf16['name']}, "
-            f"{c['steps']} steps): the training losses, each a {c['window']}-step mean, differ by at most "
-            f"{abs(c['largest_gap']):.3f} nats (FP8 {'higher' if c['largest_gap'] > 0 else 'lower'}), "
-            f"{c['last_gap']:+.3f} at the last step" + (f"; held-out loss {held}" if held else ""))
 
 
 def summary(whole: dict[str, dict]) -> list[str]:
@@ -518,122 +379,12 @@ def recipes_by_memory(cards=CARDS, preset: str = "tunekit_recipe") -> list[dict]
 
 # ---- a run that outlives the command that started it -----------------------------------------------------
 
-def background_folder() -> Path:
-    """Where the detached run keeps its output (`log`), its process id (`pid`) and, once it ends, its exit code
-    (`exit`): runs/full/background."""
-    return run_folder("background")
-
-
-def chain(argv: list[str]) -> list[list[str]]:
-    """`argv` split at each ";" into the commands of a chain (`detach` runs them in order); ValueError where one
-    is empty."""
-    groups: list[list[str]] = [[]]
-    for arg in argv:
-        if arg == ";":
-            groups.append([])
-        else:
-            groups[-1].append(arg)
-    if not all(groups):
-        raise ValueError(f"an empty command in the chain {' '.join(argv)!r}: put ';' only between commands")
-    return groups
-
-
-def detach(argv: list[str]) -> int:
-    """Start `python -m tunekit_course.fullrun ARGV` in a session of its own, which outlives the command that
-    started it (on a GPU machine lent one command at a time, a run longer than a command goes on while the next
-    command follows it with `follow`): one whole-model compile for the whole run instead of one per command.
-    ARGV may chain several of this module's commands, separated by ";" (`chain`): each runs once the one before
-    it ends with exit code 0, and the chain stops at the first that does not, with its code. Returns the
-    process id; refuses while an earlier detached run is still going."""
-    commands = chain(argv)
-    folder = background_folder()
-    if (pid := _background_pid()) is not None:
-        raise RuntimeError(f"a detached run (process {pid}) is still going: follow it with `python -m "
-                           "tunekit_course.fullrun --follow SECONDS`, or stop it first")
-    folder.mkdir(parents=True, exist_ok=True)
-    for name in ("exit", "log", "pid", "offset"):
-        (folder / name).unlink(missing_ok=True)
-    from tunekit_course import notebook
-
-    code = ("import sys; from pathlib import Path; from tunekit_course import fullrun, notebook; "
-            f"notebook.RUNS = Path({str(notebook.RUNS)!r}); code = 0\n"
-            f"for argv in {commands!r}:\n"
-            "    print('detached: python -m tunekit_course.fullrun ' + ' '.join(argv), flush=True)\n"
-            "    code = fullrun.main(argv)\n"
-            "    if code:\n"
-            "        break\n"
-            f"Path({str(folder / 'exit')!r}).write_text(str(code)); sys.exit(code)")
-    with open(folder / "log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-u", "-c", code], stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    (folder / "pid").write_text(str(proc.pid))
-    print(f"detached run started (process {proc.pid}): python -m tunekit_course.fullrun {' '.join(argv)}; "
-          "follow it with: python -m tunekit_course.fullrun --follow SECONDS")
-    return proc.pid
-
-
-def _background_pid() -> int | None:
-    """The detached run's process id while it goes on, else None (none started on this machine, or ended)."""
-    import contextlib
-    import os
-
-    folder = background_folder()
-    if not (folder / "pid").exists() or (folder / "exit").exists():
-        return None
-    pid = int((folder / "pid").read_text())
-    with contextlib.suppress(ChildProcessError):  # this process's own child (a test's): reaped once it ended
-        if os.waitpid(pid, os.WNOHANG)[0] == pid:
-            return None
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return None
-    return pid
-
-
-def follow(seconds: float, poll_s: float = 2.0) -> int:
-    """Print what the detached run writes, from where the last `follow` stopped, until it ends or `seconds` pass.
-    Returns 3 while it goes on (follow again in the next command); once it has ended 0 (every run asked for is
-    done), 5 (it ended with some not done: its own exit code 3; start it again), 1 (it failed or was killed); 4
-    when no detached run was started on this machine (a fresh one: start it again with `--detach`)."""
-    folder = background_folder()
-    if not (folder / "pid").exists():
-        print("no detached run on this machine (a fresh one?): start it with python -m tunekit_course.fullrun "
-              "--detach BUDGET_SECONDS [NAME,...]", file=sys.stderr)
-        return 4
-    offset_file, t0 = folder / "offset", time.perf_counter()
-    offset = int(offset_file.read_text()) if offset_file.exists() else 0
-    while True:
-        ended = _background_pid() is None
-        with open(folder / "log", "rb") as log:
-            log.seek(offset)
-            chunk = log.read()
-        if chunk:
-            sys.stdout.write(chunk.decode(errors="replace"))
-            sys.stdout.flush()
-            offset += len(chunk)
-            offset_file.write_text(str(offset))
-        if ended:
-            exit_file = folder / "exit"
-            code = int(exit_file.read_text()) if exit_file.exists() else None
-            print(f"detached run ended: exit code {code if code is not None else 'unknown (it was killed)'}"
-                  + ("; not every run is done: start it again" if code == 3 else ""))
-            return 1 if code is None else 5 if code == 3 else code
-        if time.perf_counter() - t0 >= seconds:
-            print(f"detached run still going after {seconds:,.0f} s of following: follow it again")
-            return 3
-        time.sleep(poll_s)
-
-
 def main(argv: list[str]) -> int:
     # python -m tunekit_course.fullrun BUDGET_SECONDS [NAME,NAME]                      lesson 5's whole runs
     # python -m tunekit_course.fullrun NAME BUDGET_SECONDS TRAIN_ARGS...               one whole run's segment
     # python -m tunekit_course.fullrun --rederive FOLDER HEADER.json OUT.json [NAME]   a run brought back
-    # python -m tunekit_course.fullrun --detach ARGS... [";" ARGS...]   the same, in a process that outlives this
-    #                                                      command; several, one after the other, split by ";"
-    # python -m tunekit_course.fullrun --follow SECONDS       what the detached run printed since, until it ends
-    # python -m tunekit_course.fullrun --waterfall SECONDS [FIRST-LAST]   the waterfall's bars (--detach takes it)
-    # (exit code 3: not all finished, go on in the next command)
+    # (exit code 3: not all finished, go on in the next command; `tunekit_course.detach` runs any of these in a
+    # process that outlives the command)
     from tunekit.results import save_result
     from tunekit_course.notebook import on_gpu
 
@@ -649,19 +400,6 @@ def main(argv: list[str]) -> int:
                 return 2
             runs = [run for run in runs if run[0] in wanted]
         return 0 if len(measure_runs(float(argv[0]), runs, least_s=120 * gpu)) == len(runs) else 3
-    if len(argv) >= 2 and argv[0] == "--detach":
-        try:
-            detach(argv[1:])
-        except (RuntimeError, ValueError) as e:
-            print(f"fullrun: {e}", file=sys.stderr)
-            return 2
-        return 0
-    if len(argv) == 2 and argv[0] == "--follow":
-        return follow(float(argv[1]))
-    if argv[:1] == ["--waterfall"]:  # the waterfall's command, so that --detach can run it too
-        from tunekit_course import waterfall
-
-        return waterfall.main(argv[1:])
     if len(argv) in (4, 5) and argv[0] == "--rederive":
         folder, header, out, *name = argv[1:]
         print(save_result(rederive(folder, json.loads(Path(header).read_text()), *name), out))
@@ -669,9 +407,7 @@ def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[0].startswith("--"):
         print("usage: python -m tunekit_course.fullrun BUDGET_SECONDS [NAME,...] | NAME "
               "BUDGET_SECONDS TRAIN_ARGS... (e.g. l5_mine 480 --preset article_before) | --rederive FOLDER "
-              "HEADER.json OUT.json [NAME] | --detach ARGS... [';' ARGS...] | --follow SECONDS | --waterfall BUDGET_SECONDS "
-              "[FIRST-LAST]",
-              file=sys.stderr)
+              "HEADER.json OUT.json [NAME]", file=sys.stderr)
         return 2
     name, budget, *args = argv
     return 0 if measure(name, args, float(budget)) else 3

@@ -42,6 +42,7 @@ from tunekit import results
 from tunekit.config import REPO_ROOT
 from tunekit.optim import BNB_OPTIMIZERS
 from tunekit_course import RESULTS
+from tunekit_course.claims import SCALING_GPUS
 
 RUNS = REPO_ROOT / "runs"  # your own folders (git-ignored): results by GPU, scratch runs, compile caches
 PUBLISHED_GPU = "NVIDIA H200"  # where the published results (notebooks/results) were measured
@@ -224,9 +225,9 @@ def fit_here(args: list, nproc: int = 1) -> list[str]:
     args = [str(a) for a in args]
     if not on_gpu() or not args or args[0] not in ("bench", "train"):
         return args
-    from tunekit import cli
+    from tunekit.arguments import make_parser
 
-    parsed, rest = cli.make_parser().parse_known_args(args)
+    parsed, rest = make_parser().parse_known_args(args)
     if getattr(parsed, "compare", False):
         return args
     budget, where = memory_budget()
@@ -816,7 +817,6 @@ def lesson5_plan(gpu: bool, fraction: float = LESSON5_FRACTION) -> list[tuple[st
 
 # ---- scaling from 1 to 8 GPUs ------------------------------------------------------------------------
 
-SCALING_GPUS = (1, 2, 4, 8)
 # workload: its `tunekit` arguments on a GPU; each runs under its parallelism on 1, 2, 4 and 8 GPUs
 SCALING_WORKLOADS = {
     "ddp_lora": ["bench", "--preset", "llama7b_lora", "--parallel", "ddp"],  # LoRA 7B, batch 4 per GPU

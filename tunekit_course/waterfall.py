@@ -21,16 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-from tunekit_course.fullrun import (
-    derived_fields,
-    done,
-    gpu_uuid,
-    logged_rows,
-    p10_p90,
-    run_folder,
-    run_segment,
-    segments,
-)
+from tunekit_course import runlog
+from tunekit_course.fullrun import run_folder, run_segment
+from tunekit_course.runlog import derived_fields, done, gpu_uuid, logged_rows, p10_p90, segments
 
 ARTICLE_ITEMS = 5  # bars 1-5 are the article's items (ending at article_checklist), the rest the course's
 
@@ -110,7 +103,8 @@ def waterfall_bar(name: str, label: str, folder: str | Path) -> dict:
     row_tokens = [b["tokens"] - a["tokens"] for a, b in zip([{"tokens": 0}, *rows], rows)]
     return new_result(name, cfg, derived.pop("tokens_per_s"), max(r["peak_mem_gb"] for r in rows),
                       call=f"waterfall.waterfall_bar({name!r}, {label!r}, {folder.name!r})",
-                      code_files=(code_file(__file__),), label=label, one_time_s=rows[0]["elapsed_s"],
+                      code_files=(code_file(__file__), code_file(runlog.__file__)), label=label,
+                      one_time_s=rows[0]["elapsed_s"],
                       steps=len(rows), steady_s=round(rows[-1]["elapsed_s"] - rows[0]["elapsed_s"], 1),
                       weights=cfg.model or "random-init", gpu_uuid=gpu_uuid(), row_tokens=row_tokens, **derived)
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tunekit_course import fullrun
+from tunekit_course import fullrun, runlog
 
 ARGS = ["--preset", "tiny", "--max-steps", "30", "--max-length", "64", "--batch-size", "2", "--save-every", "0",
         "--log-every", "1"]
@@ -37,7 +37,7 @@ def test_steady_tokens_per_s_leaves_out_each_segment_s_first_step_and_the_evalua
             {"step": 3, "tokens": 300, "tok_per_s": 10.0, "elapsed_s": 40.0},  # a resumed segment's first
             {"step": 4, "tokens": 400, "tok_per_s": 50.0, "elapsed_s": 52.0}]  # 10 s of held-out evaluation in it
     # steps 2 and 4: 200 tokens in 1 s + 2 s of their own; step 4's evaluation is the wall-clock's, not the step's
-    assert fullrun.steady_tokens_per_s(rows, {1, 3}) == pytest.approx(200 / 3.0)
+    assert runlog.steady_tokens_per_s(rows, {1, 3}) == pytest.approx(200 / 3.0)
 
 
 def test_a_run_brought_back_is_derived_again_under_its_measured_header(tmp_path):
@@ -94,40 +94,6 @@ def test_lesson5_runs_go_on_where_the_last_command_stopped(tmp_path, monkeypatch
 
 
 
-def test_a_detached_run_outlives_its_command_and_is_followed_to_its_end(tmp_path, monkeypatch, capsys):
-    """`--detach` starts the whole runs in a session of their own (on the GPU machine they outlive the command that
-    started them); `--follow` prints what they wrote since the last follow, and says when they ended, with what."""
-    from tunekit_course import notebook
-
-    monkeypatch.setenv("TUNEKIT_SMOKE", "1")
-    monkeypatch.setattr(notebook, "RUNS", tmp_path)
-    assert fullrun.main(["--follow", "5"]) == 4  # nothing started here: a fresh machine
-    assert "no detached run on this machine" in capsys.readouterr().err
-    assert fullrun.main(["--detach", "3600", "l5_smoke_a"]) == 0
-    assert fullrun.main(["--detach", "3600", "l5_smoke_a"]) == 2  # one at a time
-    assert "is still going" in capsys.readouterr().err
-    assert fullrun.main(["--follow", "600"]) == 0
-    out = capsys.readouterr().out
-    assert "whole runs done: l5_smoke_a; all done" in out and "detached run ended: exit code 0" in out
-    written = json.loads((notebook.results_dir() / "l5_smoke_a.json").read_text())
-    assert written["steps"] == 6 and "gpu_uuid" in written and written["gpu_uuid"] is None  # no GPU here
-    assert fullrun.main(["--follow", "600"]) == 0  # followed again: nothing printed twice
-    assert "whole runs done" not in capsys.readouterr().out
-    assert fullrun.main(["--detach", "0", "l5_smoke_b"]) == 0  # no time: it ends with the run not done
-    assert fullrun.main(["--follow", "600"]) == 5 and "start it again" in capsys.readouterr().out
-    assert fullrun.main(["--waterfall", "60", "9-2"]) == 2  # the waterfall's command, which --detach can run
-    assert "bars are numbered 0 to" in capsys.readouterr().err
-    # a chain: each command once the one before it ended well; the first that does not ends the chain, with its code
-    assert fullrun.main(["--detach", "3600", "l5_smoke_a", ";", "0", "l5_smoke_b", ";", "3600", "l5_smoke_a"]) == 0
-    assert fullrun.main(["--follow", "600"]) == 5
-    out = capsys.readouterr().out
-    assert out.count("detached: python -m tunekit_course.fullrun") == 2  # the third never started
-    assert "detached: python -m tunekit_course.fullrun 0 l5_smoke_b" in out and "start it again" in out
-    assert fullrun.main(["--detach", "3600", "l5_smoke_a", ";", ";", "60"]) == 2
-    assert "an empty command in the chain" in capsys.readouterr().err
-    assert fullrun.chain(["1", "a", ";", "--waterfall", "2", "3-4"]) == [["1", "a"], ["--waterfall", "2", "3-4"]]
-
-
 def test_lesson5_runs_on_a_gpu_are_the_three_recipes_and_a_24_gb_card():
     runs = {name: (args, env) for name, args, env in fullrun.lesson5_runs(True)}
     assert [args[1] for args, _ in runs.values()] == ["article_before", "article_checklist", "tunekit_recipe",
@@ -138,7 +104,7 @@ def test_lesson5_runs_on_a_gpu_are_the_three_recipes_and_a_24_gb_card():
 def test_a_run_s_clock_adds_its_segments_end_to_end():
     r = {"segments": [{"wall_s": 120.0, "first_step": 1}, {"wall_s": 60.0, "first_step": 4}],
          "curve": [[1, 9.0, 10.0, 30.0], [3, 8.0, 10.0, 90.0], [4, 7.5, 10.0, 45.0], [5, 7.0, 10.0, 54.0]]}
-    assert fullrun.elapsed_minutes(r) == pytest.approx([0.5, 1.5, 2.75, 2.9])  # steps 4-5: 120 s before them
+    assert runlog.elapsed_minutes(r) == pytest.approx([0.5, 1.5, 2.75, 2.9])  # steps 4-5: 120 s before them
 
 
 def test_the_model_the_lesson_looks_at_is_tunekit_s_run_where_one_kept_its_adapter(tmp_path, monkeypatch):
@@ -218,11 +184,11 @@ def test_a_recipe_s_steady_gain_pairs_steps_where_the_batches_are_the_same():
     run = {**base, "tokens_per_s": 3000.0, "segments": [{"first_step": 1}], "tok_per_s_p10_p90": [2500.0, 3300.0],
            "curve": [[1, 9.0, 5.0, 500.0], *([i, 9.0, 3 * (1000.0 + 10 * i) * (1.1 if i % 2 else 0.9), 1.0]
                                               for i in range(2, 13))]}
-    ratio, low, high, how = fullrun.steady_vs(run, base)
+    ratio, low, high, how = runlog.steady_vs(run, base)
     assert ratio == 3.0 and (low, high) == pytest.approx((2.7, 3.3)) and "same 11 steps" in how
     packed = {**run, "config": {**cfg, "packing": "pack"}}  # other batches: each run's own spread
-    assert fullrun.steady_vs(packed, base)[1:3] == pytest.approx((2500 / 1100, 3300 / 900))
-    assert fullrun.steady_vs({"tokens_per_s": 10.0}, {"tokens_per_s": 5.0}) == (2.0, None, None, "no spread recorded")
+    assert runlog.steady_vs(packed, base)[1:3] == pytest.approx((2500 / 1100, 3300 / 900))
+    assert runlog.steady_vs({"tokens_per_s": 10.0}, {"tokens_per_s": 5.0}) == (2.0, None, None, "no spread recorded")
 
 
 def test_what_to_run_on_each_card_is_the_estimator_s_nearest_fit():
@@ -245,12 +211,12 @@ def test_fp8_against_bf16_compares_the_same_batches_step_by_step():
     bf16 = {"name": "l5_tunekit_24gb_stopped", "config": {**cfg, "epochs": 3.0, "max_steps": 60},
             "curve": [[s, 10.0 - s / 10 + (0.05 if s > 40 else 0.0), 1.0, 1.0] for s in range(1, 51)],
             "eval_losses": [[20, 5.01]]}
-    c = fullrun.fp8_vs_bf16(fp8, bf16)
+    c = runlog.fp8_vs_bf16(fp8, bf16)
     assert c["steps"] == 50 and c["window"] == 20 and c["held_out"] == [(20, 5.0, 5.01)]
-    assert fullrun.fp8_vs_bf16(fp8, {**bf16, "curve": bf16["curve"][:5]})["largest_gap"] is None  # too few steps
+    assert runlog.fp8_vs_bf16(fp8, {**bf16, "curve": bf16["curve"][:5]})["largest_gap"] is None  # too few steps
     assert c["largest_gap"] == pytest.approx(-0.025) and c["last_gap"] == pytest.approx(-0.025)  # steps 41-50
-    text = fullrun.describe_fp8(fp8, bf16)
+    text = runlog.describe_fp8(fp8, bf16)
     assert "differ by at most 0.025 nats (FP8 lower)" in text and "after step 20: FP8 5.000, bf16 5.010" in text
     other = {**bf16, "config": {**bf16["config"], "packing": "pad"}}
-    assert fullrun.fp8_vs_bf16(fp8, other) is None and "did not train on the same batches" in \
-        fullrun.describe_fp8(fp8, other)
+    assert runlog.fp8_vs_bf16(fp8, other) is None and "did not train on the same batches" in \
+        runlog.describe_fp8(fp8, other)

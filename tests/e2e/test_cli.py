@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import SMALL_ARCH_ARGS
 
-from tunekit import cli
+from tunekit import arguments, cli
 from tunekit.config import REPO_ROOT, RESUME_SAFE_FIELDS, TuneConfig
 
 SUBCOMMANDS = ["train", "bench", "prepare", "doctor"]
@@ -51,7 +51,7 @@ def test_train_help_lists_fields_with_docs(capsys):
     assert run_main(["train", "--help"]) == 0
     out = capsys.readouterr().out
     flat = "".join(out.split())  # help wraps lines (also at hyphens): compare with whitespace removed
-    docs = cli.field_docs()
+    docs = arguments.field_docs()
     for f in dataclasses.fields(TuneConfig):
         flag = "--" + f.name.replace("_", "-")
         assert flag in out, flag
@@ -170,7 +170,7 @@ def test_bench(tmp_path, small_data, capsys):
     assert result["name"] == "cli-tiny" and result["tokens_per_s"] > 0 and len(result["step_times_s"]) == 2
     assert str(out) in capsys.readouterr().out
     # ...and `results` reads it back into a table.
-    if "results" in cli.make_parser()._subparsers._group_actions[0].choices:
+    if "results" in arguments.make_parser()._subparsers._group_actions[0].choices:
         assert run_main(["results", str(out.parent)]) == 0
         assert "cli-tiny" in capsys.readouterr().out
 

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 LIBRARY = Path(__file__).resolve().parents[2] / "tunekit"
+COURSE_DIR = LIBRARY.parent / "tunekit_course"
 MAX_LINES = 400  # a module a reader holds in their head; more is two modules
 COURSE = "tunekit_course"
 
@@ -26,11 +27,15 @@ def library_modules() -> dict[str, Path]:
     return {module_name(p): p for p in sorted(LIBRARY.rglob("*.py"))}
 
 
+def course_modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(COURSE_DIR.rglob("*.py"))}
+
+
 def imports_of(path: Path) -> list[tuple[str, int]]:
     """(module imported, line) for every import in the file, at any depth, and a package face's lazy parts.
     `from tunekit.data import records` imports `tunekit.data.records`; `from tunekit.data.records import x`,
     `tunekit.data.records`."""
-    modules = library_modules()
+    modules = {**library_modules(), **course_modules()}
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -44,9 +49,9 @@ def imports_of(path: Path) -> list[tuple[str, int]]:
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
-    """{library module: the library modules it imports}."""
-    modules = library_modules()
+def import_graph(modules: dict[str, Path] | None = None) -> dict[str, set[str]]:
+    """{module: the modules of `modules` it imports}; `modules` defaults to the library's."""
+    modules = library_modules() if modules is None else modules
     return {name: {t for t, _ in imports_of(path) if t in modules and t != name} for name, path in modules.items()}
 
 
@@ -85,6 +90,19 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_library_has_no_import_circle():
     graph = import_graph()
     assert "tunekit.train" in graph and "tunekit.data.records" in graph["tunekit.prepare"]
+    found = circles(graph)
+    assert not found, "import circles: " + "; ".join(
+        " <-> ".join(c) + " (" + ", ".join(f"{a} -> {b}" for a in c for b in sorted(graph[a]) if b in c) + ")"
+        for c in found)
+
+
+def test_the_course_and_the_library_together_have_no_import_circle():
+    """The course's modules sit on the library and on each other in floors: a module that runs whole runs
+    (fullrun) above the one that reads their folders (runlog), the claims below the notebook helpers that print
+    them. The library's course commands (`tunekit results`, `bench --compare`, ...) reach down into the course, so
+    a course module that imported the command line back would close a circle through them."""
+    graph = import_graph({**library_modules(), **course_modules()})
+    assert "tunekit_course.fullrun" in graph and "tunekit_course.runlog" in graph["tunekit_course.fullrun"]
     found = circles(graph)
     assert not found, "import circles: " + "; ".join(
         " <-> ".join(c) + " (" + ", ".join(f"{a} -> {b}" for a in c for b in sorted(graph[a]) if b in c) + ")"
