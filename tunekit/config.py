@@ -1,4 +1,5 @@
-"""One typed config for every run: every field with its doc, checked as a whole (`validate`).
+"""One typed config for every run: every field with its doc, checked as a whole (`validate`: the choices and
+rules are `tunekit/validation.py`'s).
 
 Only the builders (`build`, `prepare`) and the entry points (`train`, `bench`, `export`, `cli`) take a
 `TuneConfig`; everything below them takes plain arguments, so a notebook can call any piece alone. Presets and
@@ -11,34 +12,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import os
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 
-from tunekit.data.layouts import DataError, parse_fields
 from tunekit.io import REPO_ROOT, atomic_write_text  # noqa: F401  (config.REPO_ROOT: the checkout, as before)
-
-METHODS = ("full", "lora", "qlora")
-DTYPES = ("auto", "bf16", "fp16", "fp32")
-ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention")
-PACKING = ("auto", "pad", "group", "pack")
-DEVICES = ("auto", "cpu", "cuda")
-LOSSES = ("chunked", "plain", "liger")
-# optim.OPTIMIZER_NOTES says what each is
-OPTIMIZERS = ("adamw", "adamw_foreach", "adamw8bit", "paged_adamw", "paged_adamw8bit", "lion", "lion_pytorch",
-              "lion8bit")
-COMPILE = ("none", "regional", "model")
-KERNELS = ("none", "liger")
-SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
-PARALLEL = ("auto", "ddp", "fsdp")
-TOKENIZE = ("offline", "in_loop")
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
-
-
-class ConfigError(ValueError):
-    """A config value is wrong; the message names the field and what to do."""
+from tunekit.validation import ConfigError, check, types_of
 
 
 @dataclass
@@ -273,77 +252,7 @@ class TuneConfig:
         self.validate()
 
     def validate(self) -> None:
-        def need(cond: bool, fieldname: str, msg: str) -> None:
-            if not cond:
-                raise ConfigError(f"config field '{fieldname}' = {getattr(self, fieldname)!r}: {msg}")
-
-        for name, typ in field_types().items():  # first the types, so the checks below compare like with like
-            value = getattr(self, name)
-            if typ is float and isinstance(value, int) and not isinstance(value, bool):
-                setattr(self, name, float(value))  # 1 is 1.0
-            elif not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-                hint = "; pass records with finetune(cfg, data=...)" if name == "data" else ""
-                raise ConfigError(f"config field '{name}' = {value!r}: expected {TYPE_WORDS[typ]}{hint}")
-
-        for name, choices in (("method", METHODS), ("arch", ARCHS), ("dtype", DTYPES), ("attention", ATTENTION),
-                              ("device", DEVICES), ("packing", PACKING), ("loss", LOSSES), ("optimizer", OPTIMIZERS),
-                              ("parallel", PARALLEL), ("compile", COMPILE), ("tokenize", TOKENIZE),
-                              ("kernels", KERNELS)):
-            need(getattr(self, name) in choices, name, f"choose one of {', '.join(choices)}")
-        need(self.tokenize == "offline" or self.packing == "pad", "tokenize",
-             "in_loop tokenizes each batch as it is read, so its lengths are unknown before: use --packing pad")
-        names = [b.strip() for b in self.sdpa_backend.split(",")]
-        need(self.sdpa_backend == "auto" or (all(names) and set(names) <= set(SDPA_BACKENDS)), "sdpa_backend",
-             f"use auto or a comma-separated list of {', '.join(SDPA_BACKENDS)}")
-        need(self.grad_ckpt or not self.grad_ckpt_offload, "grad_ckpt_offload",
-             "offloads what checkpointing saves; turn on --grad-ckpt too")
-        need(self.method != "full" or not self.embed_offload, "embed_offload",
-             "only a frozen embedding table can live on the CPU; use it with --method lora or qlora")
-        need(self.method != "qlora" or not self.fp8, "fp8", "converts bf16 linear layers; QLoRA's base layers are "
-             "4-bit: use it with --method lora or full")
-        need(self.method == "lora" or not self.fast_lora, "fast_lora", "fuses LoRA over a bf16 base weight; "
-             "use it with --method lora (QLoRA's 4-bit base layers keep peft's path)")
-        need(self.lora_dropout == 0 or not self.fast_lora, "fast_lora", "has no LoRA dropout; set --lora-dropout 0")
-        need(self.method == "qlora" or not self.peft_kbit_prepare, "peft_kbit_prepare",
-             "applies to 4-bit models only; use it with --method qlora")
-        need(self.prefetch_factor > 0, "prefetch_factor", "must be a positive integer")
-        if self.fields:
-            try:
-                parse_fields(self.fields)
-            except DataError as e:
-                raise ConfigError(f"config field 'fields' = {self.fields!r}: {e}") from None
-        need(bool(self.response_template) or not self.instruction_template, "instruction_template",
-             "marks where each user turn starts, for response_template; set --response-template too")
-        need(bool(self.chat_template.strip()), "chat_template",
-             "use auto, builtin, tokenizer, chatml or a Jinja template file")
-        need(self.bench_max_steps >= self.bench_steps, "bench_max_steps", "must be at least bench_steps")
-        need(0 <= self.bench_target_error < 1, "bench_target_error", "must be in [0, 1)")
-        for name in ("batch_size", "grad_accum", "max_length", "max_steps", "log_every",
-                     "bench_steps", "hidden_size", "num_layers", "num_heads", "intermediate_size"):
-            need(getattr(self, name) > 0, name, "must be a positive integer")
-        for name in ("num_workers", "save_every", "warmup_steps", "bench_warmup", "num_kv_heads", "vocab_size",
-                     "cpu_threads", "global_batch", "head_dim"):
-            need(getattr(self, name) >= 0, name, "must be zero or positive")
-        need(self.lr > 0, "lr", "must be positive")
-        need(math.isfinite(self.epochs) and self.epochs >= 0, "epochs", "must be zero (use max_steps) or a positive number")
-        need(math.isfinite(self.lr), "lr", "must be a finite number")
-        need(0 <= self.eval_split < 1, "eval_split", "a fraction of the rows: at least 0, below 1")
-        need(self.eval_every >= 0 or (self.eval_every == -1 and self.epochs > 0), "eval_every",
-             "must be zero (at the end only), positive (steps), or -1 (each epoch) with --epochs")
-        need(self.eval_split > 0 or bool(self.eval_data) or not self.eval_every, "eval_every",
-             "evaluates held-out rows: set --eval-split or --eval-data too")
-        need(not (self.eval_split and self.eval_data), "eval_data", "holds out its own rows: drop --eval-split")
-        need(self.keep_checkpoints >= 1, "keep_checkpoints", "must be at least 1")
-        need(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be between 0 and 1")
-        need(0 <= self.lora_dropout < 1, "lora_dropout", "must be in [0, 1)")
-        if self.method != "full":
-            need(self.lora_r > 0, "lora_r", "LoRA/QLoRA need a positive rank")
-            need(self.lora_alpha > 0, "lora_alpha", "the update is scaled by lora_alpha / lora_r, so a scale of "
-                 "0 or less trains nothing useful; use a positive value (commonly 2 * lora_r)")
-        need(self.head_dim or not self.hidden_size % self.num_heads, "hidden_size", "must be divisible by num_heads")
-        if self.num_kv_heads:
-            need(self.num_heads % self.num_kv_heads == 0, "num_kv_heads", "must divide num_heads")
-        need(self.tokenizer_vocab >= 256 + 8, "tokenizer_vocab", "a byte-level BPE needs at least 264 entries")
+        check(self)
 
     # ---- derived values ------------------------------------------------------------------------------
     def run_dir(self) -> Path:
@@ -361,14 +270,9 @@ RESUME_SAFE_FIELDS = ("max_steps", "epochs", "save_every", "log_every", "keep_ch
                       "compile", "tf32", "gc_freeze", "eval_every", "prefetch_factor", "persistent_workers", "cpu_threads", "bench_warmup", "bench_steps",
                       "bench_max_steps", "bench_target_error")
 
-TYPE_WORDS = {int: "int (a whole number, e.g. 8)", float: "float (a number, e.g. 3e-4)", bool: "bool (true or false)",
-              str: "str (text)"}
-
-
 @functools.cache
 def field_types() -> dict[str, type]:
-    hints = typing.get_type_hints(TuneConfig)
-    return {f.name: hints[f.name] for f in dataclasses.fields(TuneConfig)}
+    return types_of(TuneConfig)
 
 
 def config_dict(cfg: TuneConfig) -> dict:

@@ -36,11 +36,11 @@ import os
 import torch
 import torch.distributed as dist
 
-from tunekit.config import PARALLEL
 from tunekit.doctor import check_socket_ifname, network_interfaces
 from tunekit.io import CheckpointError
 from tunekit.model import decoder_layers
 from tunekit.speedups import compile_step
+from tunekit.validation import PARALLEL
 
 
 def world_size() -> int:

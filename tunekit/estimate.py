@@ -65,10 +65,11 @@ from tunekit.activations import (
     linear_shapes,
     lora_modules,
 )
-from tunekit.config import OPTIMIZERS, TuneConfig
+from tunekit.config import TuneConfig
 from tunekit.distributed import choose_parallel
 from tunekit.loss import chunk_tokens
 from tunekit.optim import state_bytes_per_param
+from tunekit.validation import OPTIMIZERS
 
 # ---- the parts of the peak ----------------------------------------------------------------------------
 
@@ -114,7 +115,7 @@ def estimate_memory(hidden: int, layers: int, heads: int, kv_heads: int, interme
     if method not in ("full", "lora", "qlora"):
         raise ValueError(f"method: {method!r}; use 'full', 'lora' or 'qlora'")
     if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer: {optimizer!r}; use one of {', '.join(OPTIMIZERS)} (config.OPTIMIZERS)")
+        raise ValueError(f"optimizer: {optimizer!r}; use one of {', '.join(OPTIMIZERS)} (validation.OPTIMIZERS)")
     if loss not in ("chunked", "plain"):
         raise ValueError(f"loss: {loss!r}; use 'chunked' or 'plain'")
     T = batch * seq

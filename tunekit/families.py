@@ -13,7 +13,7 @@ import dataclasses
 @dataclasses.dataclass(frozen=True)
 class Family:
     name: str  # as the README names it
-    arch: str  # what `--arch` calls it (config.ARCHS): the family a random-init preset of it builds
+    arch: str  # what `--arch` calls it (validation.ARCHS): the family a random-init preset of it builds
     hub: str  # a hub model of the family, for `--model`
     sets_apart: str  # what the family's layout has that Llama-2's has not
     tiny: dict  # the config fields of the test's tiny model beyond the shared shape (`TINY`)

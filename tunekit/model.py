@@ -76,7 +76,7 @@ def llama_config(hidden_size: int, num_layers: int, num_heads: int, intermediate
                        tie_word_embeddings=tie_embeddings, **extra)
 
 
-# What is fixed in each family (config.ARCHS), as its published model's config.json has it; the shape comes from
+# What is fixed in each family (validation.ARCHS), as its published model's config.json has it; the shape comes from
 # the run's config. Only what the step computes differently is set here (soft-capping, sliding windows, the attention
 # scale, the MLP's activation): RoPE's base and the token ids change neither its speed nor its memory. What a family's classes build in
 # (Qwen2's q/k/v biases, Qwen3's and Gemma 3's q/k norms, Gemma's four norms a block) needs nothing here.
@@ -96,7 +96,7 @@ FAMILY_EXTRAS: dict[str, dict] = {
 def family_config(arch: str, hidden_size: int, num_layers: int, num_heads: int, intermediate_size: int,
                   vocab_size: int, num_kv_heads: int = 0, head_dim: int = 0, tie_embeddings: bool = False,
                   max_position: int = 4096):
-    """The config of a random-init model of family `arch` (one of config.ARCHS), in transformers' own config class
+    """The config of a random-init model of family `arch` (one of validation.ARCHS), in transformers' own config class
     (Qwen2Config, Gemma2Config, ...): the shape given plus the family's `FAMILY_EXTRAS`. `llama` is `llama_config`,
     unchanged. `head_dim` 0: hidden_size / num_heads.
 

@@ -30,8 +30,8 @@ import time
 
 import torch
 
-from tunekit.config import COMPILE
 from tunekit.model import base_model, decoder_layers
+from tunekit.validation import COMPILE
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ from tunekit.results import code_file
 
 def parse_sweep(text: str) -> dict[str, list[float]]:
     """`"adamw=3e-4,1e-3;lion=3e-5,1e-4"` -> `{"adamw": [3e-4, 1e-3], "lion": [3e-5, 1e-4]}`."""
-    from tunekit.config import OPTIMIZERS
+    from tunekit.validation import OPTIMIZERS
 
     sweep = {}
     for part in filter(None, (p.strip() for p in text.split(";"))):

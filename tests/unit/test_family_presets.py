@@ -14,9 +14,10 @@ import transformers
 from tunekit import estimate
 from tunekit import model as mdl
 from tunekit.build import build_base_model, build_training, resolve_runtime, run_arch
-from tunekit.config import ARCHS, ConfigError
+from tunekit.config import ConfigError
 from tunekit.presets import GPU_PRESETS, get_preset, llama7b_lora, llama7b_qlora, tiny
 from tunekit.step import train_step
+from tunekit.validation import ARCHS
 
 # Tiny shapes of every family; head_dim 24 is not hidden / heads (16), as Gemma-2-9B's 256 is not 3584 / 16.
 TINY = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128,

@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import small_model
 
-from tunekit import activations, config, estimate, fitting, memory
+from tunekit import activations, config, estimate, fitting, memory, validation
 from tunekit import model as mdl
 from tunekit.build import build_training_model
 from tunekit.data.batching import Collator
@@ -335,7 +335,7 @@ def test_estimate_rejects_bad_arguments():
         estimate.estimate_memory(**LLAMA7B, seq=8, batch=1, method="lora", lora_targets="qproj")
     with pytest.raises(ValueError, match="vocab_size"):
         estimate.estimate_memory_for(64, 2, 4, 128, 0, 16, 1, "lora")
-    for optimizer in config.OPTIMIZERS:  # the one list of optimizers: the estimator knows each of them
+    for optimizer in validation.OPTIMIZERS:  # the one list of optimizers: the estimator knows each of them
         est = estimate.estimate_memory(**LLAMA7B, seq=8, batch=1, method="lora", optimizer=optimizer)
         # paged states sit outside PyTorch's allocator and leave the GPU under pressure (l4_opt_paged_adamw8bit)
         assert (est["optimizer"] > 0) == (not optimizer.startswith("paged_")), optimizer

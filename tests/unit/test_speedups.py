@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import SMALL_ARCH
 
-from tunekit import config, estimate, speedups, train
+from tunekit import config, estimate, speedups, train, validation
 from tunekit.build import batches_from
 from tunekit.optim import (
     OPTIMIZER_NOTES,
@@ -105,7 +105,7 @@ def test_a_run_trains_with_lion(tmp_path, small_data):
 
 
 def test_the_optimizer_list_is_one_list():
-    assert tuple(OPTIMIZER_NOTES) == config.OPTIMIZERS
+    assert tuple(OPTIMIZER_NOTES) == validation.OPTIMIZERS
 
 
 def test_lion_matches_lion_pytorch():
