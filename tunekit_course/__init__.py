@@ -7,6 +7,12 @@
 - `charts`: the lessons' charts, one function a chart, each taking result dicts and returning the figure.
 - `databench`: lesson 1's data measurements; `compare`: the same step in the plain HF + peft stack, tunekit
   and Unsloth; `race`: lesson 4's optimizer convergence; `accumulation`: lesson 3's accumulation check.
+- `fullrun`: lesson 5's whole runs, across GPU commands; `waterfall`: its bars, one change each; `runlog`: what
+  a run's folder and result say (both read it, and the claims and charts); `detach`: either run's commands in a
+  process that outlives the command that started it.
+- `trl_race`, `own_script`: TRL's `SFTTrainer` plain and with tunekit's two lines; the tiny model the lessons'
+  "in your own script" cells use. `agreement`: the committed notebooks' verdicts against the published results;
+  `gcpause`: how long Python's garbage collector stops a run, with and without `gc_freeze`.
 
 The library (`tunekit/`) never imports this package; only the command line reaches it, for the course's own
 commands (`tunekit results`, `databench`, `converge`, `bench --compare`).
