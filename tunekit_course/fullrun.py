@@ -22,6 +22,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from tunekit.io import atomic_write_json
+from tunekit_course import runlog
 from tunekit_course.cards import CARDS
 from tunekit_course.runlog import (
     derived_fields,
@@ -136,7 +137,6 @@ def result(name: str, folder: str | Path) -> dict:
     peak memory, and the GPU that wrote it (`gpu_uuid`: its last segment's, where segments ran on several)."""
     from tunekit.config import TuneConfig
     from tunekit.results import code_file, new_result
-    from tunekit_course import runlog
 
     folder = Path(folder)
     if not done(folder):

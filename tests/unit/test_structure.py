@@ -7,13 +7,13 @@ parts a lazy package face imports on first use), so a circle hidden inside a fun
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 LIBRARY = Path(__file__).resolve().parents[2] / "tunekit"
-COURSE_DIR = LIBRARY.parent / "tunekit_course"
 MAX_LINES = 400  # a module a reader holds in their head; more is two modules
 COURSE = "tunekit_course"
 
@@ -27,15 +27,17 @@ def library_modules() -> dict[str, Path]:
     return {module_name(p): p for p in sorted(LIBRARY.rglob("*.py"))}
 
 
-def course_modules() -> dict[str, Path]:
-    return {module_name(p): p for p in sorted(COURSE_DIR.rglob("*.py"))}
+@functools.cache
+def all_modules() -> dict[str, Path]:
+    """The library's modules and the course's."""
+    return {**library_modules(), **{module_name(p): p for p in sorted((LIBRARY.parent / COURSE).rglob("*.py"))}}
 
 
 def imports_of(path: Path) -> list[tuple[str, int]]:
     """(module imported, line) for every import in the file, at any depth, and a package face's lazy parts.
     `from tunekit.data import records` imports `tunekit.data.records`; `from tunekit.data.records import x`,
     `tunekit.data.records`."""
-    modules = {**library_modules(), **course_modules()}
+    modules = all_modules()
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -87,13 +89,17 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_the_library_has_no_import_circle():
-    graph = import_graph()
-    assert "tunekit.train" in graph and "tunekit.data.records" in graph["tunekit.prepare"]
+def assert_no_circle(graph: dict[str, set[str]]) -> None:
     found = circles(graph)
     assert not found, "import circles: " + "; ".join(
         " <-> ".join(c) + " (" + ", ".join(f"{a} -> {b}" for a in c for b in sorted(graph[a]) if b in c) + ")"
         for c in found)
+
+
+def test_the_library_has_no_import_circle():
+    graph = import_graph()
+    assert "tunekit.train" in graph and "tunekit.data.records" in graph["tunekit.prepare"]
+    assert_no_circle(graph)
 
 
 def test_the_course_and_the_library_together_have_no_import_circle():
@@ -101,12 +107,9 @@ def test_the_course_and_the_library_together_have_no_import_circle():
     (fullrun) above the one that reads their folders (runlog), the claims below the notebook helpers that print
     them. The library's course commands (`tunekit results`, `bench --compare`, ...) reach down into the course, so
     a course module that imported the command line back would close a circle through them."""
-    graph = import_graph({**library_modules(), **course_modules()})
+    graph = import_graph(all_modules())
     assert "tunekit_course.fullrun" in graph and "tunekit_course.runlog" in graph["tunekit_course.fullrun"]
-    found = circles(graph)
-    assert not found, "import circles: " + "; ".join(
-        " <-> ".join(c) + " (" + ", ".join(f"{a} -> {b}" for a in c for b in sorted(graph[a]) if b in c) + ")"
-        for c in found)
+    assert_no_circle(graph)
 
 
 def test_the_circle_finder_finds_a_circle():
