@@ -3,6 +3,7 @@
 SPEC holds `config` (TuneConfig fields), `resume` and `stop_after`: one call of `train.train` on every rank;
 `die_on_rank` makes that rank exit at its first training step, as a crashed process would."""
 
+import faulthandler
 import json
 import os
 import sys
@@ -10,6 +11,7 @@ import sys
 from tunekit import distributed, train
 from tunekit.config import TuneConfig
 
+faulthandler.enable()  # a rank that aborts (SIGABRT from C++) prints where each thread was
 spec = json.loads(open(sys.argv[1]).read())
 if spec.get("die_on_rank") == int(os.environ["RANK"]):
     def die(*args, **kwargs):
