@@ -88,8 +88,11 @@ def micro_step(model, batch: dict, n_targets: int, autocast_dtype: torch.dtype |
 
 def train_step(model, micro_batches: list[dict], optimizer, scheduler, max_grad_norm: float,
                autocast_dtype: torch.dtype | None, loss: str = "plain", sdpa_backends=None,
-               step_module=None) -> dict:
-    """One optimizer step over `micro_batches` (already on the device).
+               step_module=None, n_targets: int | None = None) -> dict:
+    """One optimizer step over `micro_batches` (already on the device). `n_targets`: the step's target tokens
+    over all ranks (`count_targets` of the batches before they went to the device, summed over ranks), which
+    the caller counted on the host; None counts them here from the device's batches, which waits for the
+    device once a micro-batch (and, distributed, for a collective).
 
     Distributed (`step_module` wrapped by DDP or FSDP2, see tunekit/distributed.py): the loss is divided by
     the target tokens of the step on all ranks, counted before any backward, and multiplied by the world size
@@ -100,7 +103,9 @@ def train_step(model, micro_batches: list[dict], optimizer, scheduler, max_grad_
     module = step_module if step_module is not None else StepModule(model, loss, autocast_dtype)
     device = micro_batches[0]["input_ids"].device
     world = distributed.world_size()
-    n_targets = max(1, distributed.all_reduce_sum(count_targets(micro_batches)))
+    if n_targets is None:
+        n_targets = distributed.all_reduce_sum(count_targets(micro_batches))
+    n_targets = max(1, n_targets)
     value = torch.zeros((), device=device)
     scale = as_scale(world / n_targets, device)  # once a step, every micro-batch's input
     with sdpa_context(sdpa_backends):

@@ -44,7 +44,8 @@ from tunekit.data import batching, prepared
 from tunekit.data.tokens import preview
 from tunekit.io import atomic_write_json, atomic_write_text
 from tunekit.prepare import prepare, split_eval
-from tunekit.step import evaluate, to_device, train_step
+from tunekit.progress import MetricsLog, Position
+from tunekit.step import count_targets, evaluate, to_device, train_step
 from tunekit.stopping import (
     Diverged,
     Interrupted,
@@ -96,23 +97,29 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
         rows = _start(cfg, run_dir, resolved_config(cfg, device, dtype), opened, stats, at.step, main, overwrite, say)
         last_finite = next(((r["step"], r["loss"]) for r in reversed(rows) if r["loss"] is not None), None)
         stream = batches_from(ds, cfg, tokenizer.pad_token_id, at.epoch, at.next_batch)
-        log = _Log(run_dir / "metrics.jsonl" if main else None, cfg.max_steps, at.step, progress, say)
+        log = MetricsLog(run_dir / "metrics.jsonl" if main else None, cfg.max_steps, at.step, progress, say)
         memory.reset_peak_memory(device)
         losses, eval_losses, saved_at, t_loop, eval_total = [], [], at.step, time.perf_counter(), 0.0
         world, step = distributed.world_size(), at.step
         with speedups.frozen_heap(cfg.gc_freeze) as refreeze, log:  # what is built, out of the collector's way
-            while step < cfg.max_steps and state["signal"] is None:
-                micro, counts = [], [0, 0]  # this rank's samples and real tokens (counted on the host)
+            while step < cfg.max_steps:
+                # This rank's samples, real tokens and target tokens, counted on the host before the batches
+                # go to the GPU: counting them there would wait for the GPU (a host sync a micro-batch).
+                micro, counts = [], [0, 0, 0]
                 for _ in range(cfg.grad_accum):
                     epoch, index, batch = next(stream)
                     counts[0] += batching.count_samples(batch)
                     counts[1] += int(batch.pop("attention_mask").sum())
+                    counts[2] += count_targets([batch])
                     micro.append(to_device(batch, device))
-                out = train_step(model, micro, optimizer, scheduler, cfg.max_grad_norm, **options)
-                if world > 1:  # every rank's counts, and whether any was asked to stop
-                    *counts, stop = distributed.all_reduce_sum(torch.tensor([*counts, state["signal"] or 0])).tolist()
-                    if stop and state["signal"] is None:  # another rank was: all stop after this step
-                        state["signal"] = signal.SIGTERM
+                stop = state["signal"] is not None
+                if world > 1:  # every rank's counts, and whether any was asked to stop: one collective a step
+                    *counts, stop = distributed.all_reduce_sum(torch.tensor([*counts, int(stop)])).tolist()
+                if stop:  # a signal (on any rank) ends the run after the step it came in, on every rank alike
+                    state["signal"] = state["signal"] or signal.SIGTERM
+                    break
+                out = train_step(model, micro, optimizer, scheduler, cfg.max_grad_norm, n_targets=int(counts[2]),
+                                 **options)
                 step += 1
                 at.advance(epoch, index, int(counts[0]), int(counts[1]), time.perf_counter() - t0)
                 loss, grad_norm = out["loss"].item(), float(out["grad_norm"])
@@ -234,41 +241,17 @@ def _data(cfg: TuneConfig, opened: _Opened, verbose: bool, say):
     return cfg, tokenizer, ds, eval_ds, stats
 
 
-@dataclasses.dataclass
-class _At:
-    """Where the run is: the step it resumed at, the data position after the last finished step (epoch, next batch), the samples and
-    real tokens trained on and the wall-clock seconds, counting the run this one resumes."""
-
-    step: int = 0
-    epoch: int = 0
-    next_batch: int = 0
-    samples: int = 0
-    tokens: int = 0
-    elapsed0: float = 0.0
-    elapsed_s: float = 0.0
-
-    def advance(self, epoch: int, index: int, samples: int, tokens: int, elapsed: float) -> None:
-        self.epoch, self.next_batch = epoch, index + 1
-        self.samples, self.tokens = self.samples + samples, self.tokens + tokens
-        self.elapsed_s = round(self.elapsed0 + elapsed, 3)
-
-    def position(self) -> dict:
-        """What a checkpoint records of the data position (`batching.EpochSampler` resumes from it)."""
-        return {"epoch": self.epoch, "next_batch": self.next_batch, "samples": self.samples, "tokens": self.tokens,
-                "world": distributed.world_size(), "elapsed_s": self.elapsed_s}
-
-
-def _resume(opened: _Opened, model, optimizer, scheduler, say) -> _At:
+def _resume(opened: _Opened, model, optimizer, scheduler, say) -> Position:
     """Load the checkpoint (open_run verified it) into the built pieces; where the run is."""
     for change in opened.changes:
         say(f"resume: {change} (--allow-config-change)")
     if opened.ckpt is None:
-        return _At()
+        return Position()
     saved = checkpoint.load_checkpoint(opened.ckpt, model, optimizer, scheduler, verify=False)
     data = saved["data"]
     say(f"resume: from {opened.ckpt} (step {saved['step']}, epoch {data['epoch']}, batch {data['next_batch']})")
     elapsed = data.get("elapsed_s", 0.0)
-    return _At(saved["step"], data["epoch"], data["next_batch"], data.get("samples", 0), data.get("tokens", 0),
+    return Position(saved["step"], data["epoch"], data["next_batch"], data.get("samples", 0), data.get("tokens", 0),
                elapsed, elapsed)
 
 
@@ -294,68 +277,10 @@ def _start(cfg: TuneConfig, run_dir: Path, resolved: TuneConfig, opened: _Opened
     return rows
 
 
-# ---- a metrics row ---------------------------------------------------------------------------------------------
-
-
-class _Log:
-    """The run's progress: a metrics row (one JSON line, flushed) each `log_every` steps, and a bar of carriage
-    returns on a terminal or a plain line a row in a log file. Only rank 0 has a file."""
-
-    def __init__(self, path: Path | None, total: int, initial: int, progress: bool, say):
-        from tqdm.auto import tqdm
-
-        self.path, self.say, self.file = path, say, None
-        self.bar = tqdm(total=total, initial=initial, desc="train") if progress and stopping.on_terminal() else None
-        self.t_last, self.tokens_since, self.total = time.perf_counter(), 0, total
-        self.excluded = 0.0  # seconds since the last row spent outside the steps (a checkpoint written)
-
-    def __enter__(self):
-        self.file = open(self.path, "a") if self.path is not None else None
-        return self
-
-    def __exit__(self, *exc):
-        if self.file is not None:
-            self.file.close()
-        self.close()
-
-    def tokens(self, n: int) -> None:
-        self.tokens_since += n
-
-    def row(self, step: int, loss: float, grad_norm: float, lr: float, at: _At, device: str, eval_s: float,
-            eval_loss: float | None) -> None:
-        now = time.perf_counter()
-        alloc, _ = memory.peak_memory_gb(device)
-        row = {"step": step, "loss": round(loss, 6), "lr": lr, "grad_norm": round(grad_norm, 6), "epoch": at.epoch,
-               "samples": at.samples, "tokens": at.tokens,
-               "tok_per_s": round(self.tokens_since / (now - self.t_last - eval_s - self.excluded), 1),
-               "peak_mem_gb": round(alloc, 3), "elapsed_s": at.elapsed_s}
-        if eval_loss is not None:
-            row["eval_loss"] = round(eval_loss, 6)
-        if self.file is not None:
-            self.file.write(stopping.json_line(row))
-            self.file.flush()
-        if self.bar is not None:
-            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tok_per_s']:.0f}", mem=f"{alloc:.1f}G")
-        else:
-            held = f" (held-out {eval_loss:.4f})" if eval_loss is not None else ""
-            self.say(f"step {step}/{self.total}: loss {loss:.4f}{held}, lr {lr:.3g}, grad norm {grad_norm:.3g}, "
-                     f"{row['tok_per_s']:,.0f} tok/s, peak {alloc:.2f} GB, {at.samples:,} samples seen", flush=True)
-        self.t_last, self.tokens_since, self.excluded = now, 0, 0.0
-
-    def step(self) -> None:
-        if self.bar is not None:
-            self.bar.update(1)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-
-
 # ---- finishing ---------------------------------------------------------------------------------------------------
 
 
-def _interrupted(state: dict, step: int, saved_at: int, run_dir: Path, model, optimizer, scheduler, at: _At,
+def _interrupted(state: dict, step: int, saved_at: int, run_dir: Path, model, optimizer, scheduler, at: Position,
                  keep: int) -> None:
     """A signal stopped the run at the end of `step`: write its checkpoint (unless it has one) and raise
     Interrupted saying what a resume continues from."""
@@ -369,7 +294,7 @@ def _interrupted(state: dict, step: int, saved_at: int, run_dir: Path, model, op
     raise Interrupted(state["signal"], step, state["checkpoint"], what)
 
 
-def _finish(cfg: TuneConfig, run_dir: Path, summary: dict, finishing: bool, model, optimizer, scheduler, at: _At,
+def _finish(cfg: TuneConfig, run_dir: Path, summary: dict, finishing: bool, model, optimizer, scheduler, at: Position,
             main: bool) -> None:
     """The run is done: its final checkpoint, then the adapter (LoRA: a PEFT folder; full fine-tuning: the whole
     model, loadable with from_pretrained) and `summary.json`. A run `finishing` (killed after its final

@@ -34,9 +34,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# What a gloo rank prints when C++ aborts it with no exception in flight (std::terminate). Seen in about one
-# of 50 launches on the 2-core CI machine, in FSDP2 runs, and in none of 200 launches of the same run on a
-# developer's 2-core machine; the worker prints each thread's Python stack when it happens (faulthandler).
+# What a gloo rank prints when C++ aborts it with no exception in flight (std::terminate). Seen in two of
+# four CI runs (about 10 launches each, both times in an FSDP2 run) and in none of 124 launches of the same
+# runs on a developer's 2-core machine; the worker prints each thread's Python stack when it happens.
 GLOO_ABORT = "terminate called without an active exception"
 
 

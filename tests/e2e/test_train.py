@@ -243,6 +243,29 @@ def test_the_frozen_heap_changes_no_number_and_is_let_go(make_cfg, monkeypatch):
     assert frozen["losses"] == plain["losses"]  # exactly: the collector never touches a number
 
 
+def test_the_loop_counts_each_steps_targets_on_the_host(make_cfg, monkeypatch):
+    """The loop counts a step's target tokens on the batches before they go to the device and hands the count
+    to the step (counted from a GPU's batches, each micro-batch's count waits for the GPU). The count is the
+    one the step makes from its own batches, and the run's losses are those of a step that counts itself."""
+    seen, real = [], train.train_step
+
+    def spying(model, micro, *args, n_targets=None, **kwargs):
+        seen.append((n_targets, count_targets(micro)))
+        return real(model, micro, *args, n_targets=n_targets, **kwargs)
+
+    def counting_itself(*args, n_targets=None, **kwargs):
+        return real(*args, **kwargs)
+
+    kw = dict(max_steps=5, grad_accum=2, batch_size=4, packing="pad")
+    monkeypatch.setattr(train, "train_step", spying)
+    host = train.train(make_cfg("host", **kw), progress=False)
+    assert len(seen) == 5 and all(given == counted for given, counted in seen)
+    assert len({counted for _, counted in seen}) > 1  # padded batches: the count changes from step to step
+    monkeypatch.setattr(train, "train_step", counting_itself)
+    itself = train.train(make_cfg("itself", **kw), progress=False)
+    assert host["losses"] == itself["losses"]
+
+
 def test_prepare_is_reused(make_cfg, capsys):
     cfg = make_cfg()
     _, ds1, stats1 = prepare(cfg)

@@ -46,7 +46,7 @@ from tunekit.model import count_parameters
 from tunekit.optim import optimizer_state_bytes
 from tunekit.prepare import build_tokenizer
 from tunekit.results import format_table, gpu_name, new_result, reusable, save_result
-from tunekit.step import to_device, train_step
+from tunekit.step import count_targets, to_device, train_step
 
 
 def _runtime(cfg: TuneConfig, verbose: bool):
@@ -71,15 +71,18 @@ def _bench_step(cfg: TuneConfig, device: str, dtype: torch.dtype, vocab: int, ve
     step's loss."""
     torch.manual_seed(cfg.seed)
     model, optimizer, scheduler, options = build_training(cfg, vocab, device, dtype, 10**9, verbose)
-    micro = []
+    micro, targets = [], 0
     for ids in random_micro_batches(cfg, vocab):
         batch = {"input_ids": ids, "labels": ids.clone()}
         if cfg.packing == "pack":  # PACKED_DOCS equal samples a row, attending only within themselves
             batch["position_ids"] = packed_positions(cfg.batch_size, cfg.max_length)
+        targets += count_targets([batch])  # on the host, once: as `tunekit train` counts each step's
         micro.append(to_device(batch, device))
+    targets = distributed.all_reduce_sum(targets)
 
     def step() -> torch.Tensor:  # the step's loss (not synchronised: reading it is the caller's choice)
-        return train_step(model, micro, optimizer, scheduler, cfg.max_grad_norm, **options)["loss"]
+        return train_step(model, micro, optimizer, scheduler, cfg.max_grad_norm, n_targets=targets,
+                          **options)["loss"]
 
     return model, optimizer, scheduler, step
 
