@@ -2,10 +2,12 @@
 
 JupyterLab starts on 127.0.0.1 with a token, serving copies of the notebooks (so neither Run All nor autosave
 can touch the committed GPU outputs), with TUNEKIT_SMOKE=1 in its environment. Each notebook is opened as
-it is committed (untrusted: widgets do not render) and must show no progress bar stuck at 0%; then Run All
-must finish within the timeout with no error and nothing written to stderr. Screenshots of every screenful,
-before and after the run, are saved under $TUNEKIT_SCREENSHOTS/NAME/ when that is set, else under pytest's
-tmp_path (the folder is printed: `pytest -s tests/course/test_browser.py` shows it).
+it is committed (untrusted: widgets do not render) and must show no progress bar stuck at 0%. Lesson 0, the
+first a learner runs, is then Run All in JupyterLab: it must finish within the timeout with no error and
+nothing written to stderr. Every lesson is executed under the same two rules by nbval (notebooks/conftest.py);
+running each again here cost CI about 7 of its minutes. Screenshots of every screenful, before and after the
+run, are saved under $TUNEKIT_SCREENSHOTS/NAME/ when that is set, else under pytest's tmp_path (the folder is
+printed: `pytest -s tests/course/test_browser.py` shows it).
 
 Needs Chromium (Debian: `apt-get install chromium`; or `TUNEKIT_CHROMIUM=/path/to/chrome`), Playwright for
 Python and JupyterLab (`pip install -e ".[browser]"`). Where one is missing the test skips and says which,
@@ -14,6 +16,7 @@ except in CI (CI=true), where that is a failure: CI must run it.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -31,6 +34,7 @@ import pytest
 from tunekit.config import REPO_ROOT
 
 NOTEBOOKS = sorted((REPO_ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+RUN_ALL = [p for p in NOTEBOOKS if p.name.startswith("00_")]  # Run All in JupyterLab: lesson 0 (see above)
 RUN_TIMEOUT_S = 900  # Run All, per notebook; each takes 1-3 min on the 2-core CI machine
 VIEWPORT = {"width": 1366, "height": 768}  # a laptop screen
 STUCK_BAR = re.compile(r"(?<!\d)0%\|")  # a tqdm bar drawn before any work: what an untrusted widget shows
@@ -174,10 +178,19 @@ def _problems(cells) -> list[str]:
     return out
 
 
-@pytest.mark.browser
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_runs_all_in_jupyterlab(path, chromium, lab, tmp_path):
-    base, token, _ = lab
+def _committed(page, base, token, path: Path, shots: Path) -> None:
+    """Open the notebook as committed, read untrusted: every output must read correctly without widgets."""
+    _open(page, base, token, path.name)
+    committed = page.evaluate(f"() => Array.from({PANEL}.content.node.querySelectorAll('.jp-OutputArea-output'))"
+                              ".map(e => e.textContent).join('\\n')")
+    _screenshots(page, shots, "1-committed")
+    assert not STUCK_BAR.search(committed), f"{path.name}: a committed output shows a progress bar stuck at 0%"
+
+
+@contextlib.contextmanager
+def _page(chromium, base, token, path: Path, tmp_path):
+    """A browser tab for `path`: (page, screenshot folder). On the way out it prints the time taken and the
+    browser console's errors, and shuts the notebook's kernel down: the next notebook gets the cores."""
     page = chromium.new_page(viewport=VIEWPORT)
     console = []
     page.on("console", lambda m: console.append(f"{m.type}: {m.text}") if m.type == "error" else None)
@@ -186,13 +199,34 @@ def test_notebook_runs_all_in_jupyterlab(path, chromium, lab, tmp_path):
     shots.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     try:
-        _open(page, base, token, path.name)
-        # As committed, read untrusted: every output must read correctly without widgets.
-        committed = page.evaluate(f"() => Array.from({PANEL}.content.node.querySelectorAll('.jp-OutputArea-output'))"
-                                  ".map(e => e.textContent).join('\\n')")
-        _screenshots(page, shots, "1-committed")
-        assert not STUCK_BAR.search(committed), f"{path.name}: a committed output shows a progress bar stuck at 0%"
+        yield page, shots
+    finally:
+        print(f"\n{path.name}: {time.monotonic() - t0:.0f} s; screenshots in {shots}")
+        for line in console:
+            print(f"  browser console {line}")
+        page.close()
+        try:
+            for session in json.load(urllib.request.urlopen(f"{base}/api/sessions?token={token}")):
+                urllib.request.urlopen(urllib.request.Request(
+                    f"{base}/api/sessions/{session['id']}?token={token}", method="DELETE"))
+        except OSError as e:
+            print(f"  could not shut the kernel down: {e}")
 
+
+@pytest.mark.browser
+@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if p not in RUN_ALL], ids=lambda p: p.name)
+def test_notebook_reads_as_committed_in_jupyterlab(path, chromium, lab, tmp_path):
+    base, token, _ = lab
+    with _page(chromium, base, token, path, tmp_path) as (page, shots):
+        _committed(page, base, token, path, shots)
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("path", RUN_ALL, ids=lambda p: p.name)
+def test_notebook_runs_all_in_jupyterlab(path, chromium, lab, tmp_path):
+    base, token, _ = lab
+    with _page(chromium, base, token, path, tmp_path) as (page, shots):
+        _committed(page, base, token, path, shots)
         _menu(page, "Edit", "Clear Outputs of All Cells")  # so a cell the run never reached reads as not run
         page.wait_for_function(f"() => {CODE_CELLS}.every(c => c.execution_count === null)")
         _menu(page, "Run", "Run All Cells")
@@ -203,18 +237,6 @@ def test_notebook_runs_all_in_jupyterlab(path, chromium, lab, tmp_path):
             page.wait_for_timeout(1000)
         cells = page.evaluate(f"() => {CODE_CELLS}")
         n = _screenshots(page, shots, "2-smoke-run")
-    finally:
-        seconds = time.monotonic() - t0
-        print(f"\n{path.name}: {seconds:.0f} s; screenshots in {shots}")
-        for line in console:
-            print(f"  browser console {line}")
-        page.close()
-        try:  # shut this notebook's kernel down: the next notebook gets the cores to itself
-            for session in json.load(urllib.request.urlopen(f"{base}/api/sessions?token={token}")):
-                urllib.request.urlopen(urllib.request.Request(
-                    f"{base}/api/sessions/{session['id']}?token={token}", method="DELETE"))
-        except OSError as e:
-            print(f"  could not shut the kernel down: {e}")
     assert ran, f"{path.name}: Run All did not finish within {RUN_TIMEOUT_S} s"
     problems = _problems(cells)
     assert not problems, f"{path.name}, in JupyterLab ({n} screenshots in {shots}):\n" + "\n".join(problems)
