@@ -7,12 +7,13 @@ import faulthandler
 import json
 import os
 import sys
+from pathlib import Path
 
 from tunekit import distributed, train
 from tunekit.config import TuneConfig
 
-faulthandler.enable()  # a rank that aborts (SIGABRT from C++) prints where each thread was
-spec = json.loads(open(sys.argv[1]).read())
+faulthandler.enable()  # a rank that aborts (SIGABRT from C++) prints where its Python threads were
+spec = json.loads(Path(sys.argv[1]).read_text())
 if spec.get("die_on_rank") == int(os.environ["RANK"]):
     def die(*args, **kwargs):
         os._exit(3)
