@@ -72,5 +72,19 @@ def _main(argv: list[str] | None = None) -> int:
         return 2
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def leave(code: int) -> None:
+    """Exit with `code`. A process of a launch on CPUs (gloo) leaves without the interpreter's exit, once its
+    group is torn down: there torch's and gloo's C++ teardown aborted about one rank in 25 whose work was done
+    and written (SIGABRT, "terminate called without an active exception", on a busy 2-core machine), and
+    torchrun then reported the whole launch as failed. Everything else exits as usual."""
+    from tunekit import distributed
+
+    if distributed.started_gloo() and not distributed.dist.is_initialized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+if __name__ == "__main__":  # `python -m tunekit.cli`, as torchrun and accelerate launch it
+    leave(main())

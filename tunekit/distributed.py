@@ -90,6 +90,15 @@ def init(device: str, timeout_s: float = 600) -> None:
             torch.cuda.set_device(local_rank())
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=torch.device("cuda", local_rank()) if device == "cuda" else None)
+        _started.add(backend)
+
+
+_started: set[str] = set()  # the backends this process has started a group on (`started_gloo`)
+
+
+def started_gloo() -> bool:
+    """Whether this process has run a gloo process group (a launch on CPUs), torn down or not."""
+    return "gloo" in _started
 
 
 def teardown() -> None:

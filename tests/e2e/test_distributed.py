@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from helpers import SMALL_ARCH
+from helpers import SMALL_ARCH, SMALL_ARCH_ARGS
 
 from tunekit import config, distributed, train
 from tunekit.build import batch_plan, run_length
@@ -40,6 +40,35 @@ def torchrun(spec: dict, tmp_path, nproc: int = 2, extra: tuple = ()) -> subproc
     proc = subprocess.run(cmd, check=False, cwd=REPO_ROOT, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
+
+
+@pytest.mark.slow
+def test_a_cpu_launch_of_the_command_line_leaves_with_its_exit_code(tmp_path, small_data):
+    """`torchrun -m tunekit.cli` on CPUs (gloo), as lesson 3 launches it: a run that succeeds exits 0 with its
+    files written, and one that fails after its process group started exits with the command's own code. Both
+    leave through `cli.leave`, without the interpreter's exit (where gloo's teardown sometimes aborted a rank)."""
+    from tunekit.cli import leave
+
+    out = tmp_path / "run"
+    argv = ["train", "--preset", "tiny", "--out-dir", str(out), "--data", str(small_data), "--max-steps", "2",
+            "--batch-size", "2", "--max-length", "128", "--warmup-steps", "1", *SMALL_ARCH_ARGS]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def launch() -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+               "127.0.0.1", "--master_port", str(free_port()), "-m", "tunekit.cli", *argv]
+        return subprocess.run(cmd, check=False, cwd=REPO_ROOT, capture_output=True, text=True, env=env,
+                              timeout=300)
+
+    done = launch()
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert (out / "summary.json").exists() and (out / "adapter").is_dir()
+    again = launch()  # the folder holds that run: refused once the group is up (RunFolderError, code 2)
+    assert again.returncode != 0 and "holds another run" in again.stdout + again.stderr
+    assert "exitcode  : 2" in again.stderr, again.stderr[-2000:]
+    with pytest.raises(SystemExit) as e:  # no gloo group in this process: a plain exit
+        leave(3)
+    assert e.value.code == 3
 
 
 def rows(cfg) -> list[dict]:
