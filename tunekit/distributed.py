@@ -75,6 +75,7 @@ def init(device: str, timeout_s: float = 600) -> None:
     """Start the process group for a launched run, and make GPU LOCAL_RANK this process's `cuda` device. A
     no-op when the process was not launched as one of several. `timeout_s` bounds how long a collective waits
     for a rank that died: the others then fail with an error instead of hanging."""
+    global _gloo_started
     if not launched():
         return
 
@@ -90,15 +91,15 @@ def init(device: str, timeout_s: float = 600) -> None:
             torch.cuda.set_device(local_rank())
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=torch.device("cuda", local_rank()) if device == "cuda" else None)
-        _started.add(backend)
+        _gloo_started = _gloo_started or backend == "gloo"
 
 
-_started: set[str] = set()  # the backends this process has started a group on (`started_gloo`)
+_gloo_started = False  # this process started a gloo group (`started_gloo`)
 
 
 def started_gloo() -> bool:
     """Whether this process has run a gloo process group (a launch on CPUs), torn down or not."""
-    return "gloo" in _started
+    return _gloo_started
 
 
 def teardown() -> None:

@@ -13,8 +13,9 @@ from tunekit import distributed, memory, stopping
 
 @dataclasses.dataclass
 class Position:
-    """Where the run is: the step it resumed at, the data position after the last finished step (epoch, next batch), the samples and
-    real tokens trained on and the wall-clock seconds, counting the run this one resumes."""
+    """Where the run is: the step it resumed at, the data position after the last finished step (epoch, next
+    batch), the samples and real tokens trained on and the wall-clock seconds, counting the run this one
+    resumes."""
 
     step: int = 0
     epoch: int = 0
@@ -33,7 +34,6 @@ class Position:
         """What a checkpoint records of the data position (`batching.EpochSampler` resumes from it)."""
         return {"epoch": self.epoch, "next_batch": self.next_batch, "samples": self.samples, "tokens": self.tokens,
                 "world": distributed.world_size(), "elapsed_s": self.elapsed_s}
-
 
 
 class MetricsLog:

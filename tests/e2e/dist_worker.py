@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from tunekit import distributed, train
+from tunekit.cli import leave
 from tunekit.config import TuneConfig
 
 faulthandler.enable()  # a rank that aborts (SIGABRT from C++) prints where its Python threads were
@@ -24,10 +25,5 @@ try:
                 progress=False)
 finally:
     distributed.teardown()
-# The run is done and written. On a busy 2-core machine about one launch in 25 then lost a rank to SIGABRT
-# ("terminate called without an active exception", no Python frame left) inside the interpreter's exit,
-# after both ranks had printed the line below: torch's and gloo's C++ teardown at exit, not tunekit's code.
-# The worker leaves without it (os._exit), as a rank whose work succeeded.
 print(f"rank {os.environ['RANK']}: the worker's code is done", file=sys.stderr, flush=True)
-sys.stdout.flush()
-os._exit(0)
+leave(0)  # as `python -m tunekit.cli` leaves a launch on CPUs: without the interpreter's exit (see cli.leave)
