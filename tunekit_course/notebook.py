@@ -724,95 +724,24 @@ LESSON4_SPEEDUPS = [
 ]
 
 
-# Lesson 5's waterfall: from the article's "before" to tunekit's "after", one technique at a time. Each step is
-# (label, the config fields it changes); each run keeps the ones before it. The last step is `llama7b_after`
-# exactly (tests/course/test_notebook.py checks it), so the bars add up to the two ends.
-LESSON5_STEPS = [
-    ("before: the article's recipe", {}),
-    ("+ offline tokenization", {"tokenize": "offline"}),
-    ("+ DataLoader workers, pinned memory", {"num_workers": 2, "pin_memory": True, "persistent_workers": True}),
-    ("+ SDPA (cuDNN) attention", {"attention": "auto"}),
-    ("+ no peft casts or k-bit upcasts, chunked loss", {"lora_input_cast": False, "peft_kbit_prepare": False,
-                                                        "loss": "chunked"}),
-    # 4 packed rows of 2,048 tokens hold about as many samples as 8 x 7 padded ones: the step count stays
-    ("+ packed rows", {"packing": "auto", "batch_size": 4, "grad_accum": 1}),
-    ("+ bf16 LoRA without checkpointing (fits the GPU)", {"method": "lora", "grad_ckpt": False}),
-    ("+ TF32, fused AdamW", {"tf32": True, "optimizer": "adamw"}),
-    ("+ regional compile: the after recipe", {"compile": "regional"}),
-]
-
-
-def lesson5_runs(fraction: float) -> list[tuple[str, str, list[str]]]:
-    """(result name, label, `tunekit bench` arguments) of each waterfall step: `--epoch FRACTION` of GSM8K
-    from a fresh folder, the `llama7b_before` preset with the fields of every step so far."""
-    from tunekit.presets import llama7b_before
-
-    fields: dict = {}
-    out = []
-    for i, (label, change) in enumerate(LESSON5_STEPS):
-        fields.update(change)
-        args = [f"--{k.replace('_', '-')}={str(v).lower() if isinstance(v, bool) else v}" for k, v in fields.items()]
-        llama7b_before(**fields)  # every step is a valid config
-        name = "l5_before" if i == 0 else "l5_after" if i == len(LESSON5_STEPS) - 1 else f"l5_step{i}"
-        out.append((name, label, ["bench", "--preset", "llama7b_before", "--epoch", str(fraction), *args]))
-    return out
-
-
-LESSON5_FRACTION = 0.1  # of GSM8K's epoch: the article's recipe runs ~2 min, all nine runs fit one 10-min call
-# The tiny stand-in of a CPU smoke run: QLoRA -> LoRA (bitsandbytes needs CUDA), a small model and vocabulary.
-LESSON5_SMOKE = ["--method=lora", "--peft-kbit-prepare=false", "--hidden-size=64", "--num-layers=2", "--num-heads=4",
-                 "--num-kv-heads=4", "--intermediate-size=128", "--vocab-size=0", "--tokenizer-vocab=1024",
-                 "--max-length=256"]
-
-
-# lesson5_plan's runs beside the waterfall, both of the after recipe
-LESSON5_VARIANTS = {"l5_after_warm": "the after recipe again, its compiled kernels cached",
-                    "l5_after_fp8": "the after recipe with FP8 matmuls (torchao, rowwise)",
-                    "l5_after_fast_fp8": "the after recipe with the fused LoRA and FP8 weights quantized once"}
-
-
-def lesson5_labels() -> dict[str, str]:
-    """{result name: what it measures} for every run of `lesson5_plan`: the waterfall in order, then the
-    variants."""
-    return {**{name: label for name, label, _ in lesson5_runs(LESSON5_FRACTION)}, **LESSON5_VARIANTS}
+# ---- lesson 5: its whole runs are tunekit_course/fullrun.py's ----------------------------------------------
 
 
 def lesson5_prepare(gpu: bool) -> None:
-    """What a user's first run downloads once and every later run reads from disk, made before the timed runs
-    so that none of them pays for it: the tokenizer (trained on GSM8K here) and, on a GPU, the random-init 7B
-    checkpoint that QLoRA's 4-bit load reads (a hub model's weights, on a user's machine)."""
+    """What a user's first run downloads once and every later run reads from disk, made before lesson 5's timed
+    whole runs (`fullrun.measure_runs`) so that none of them pays for it: the tokenizer (trained on GSM8K here)
+    and, on a GPU, the random-init 7B checkpoint that QLoRA's 4-bit load reads (a hub model's weights, on a
+    user's machine). Built from `article_before`: every whole run has its 7B shape and seed, so they share both."""
     from tunekit import model as mdl
     from tunekit.build import run_arch
     from tunekit.prepare import build_tokenizer
-    from tunekit.presets import llama7b_before
+    from tunekit.presets import article_before
 
-    cfg = llama7b_before()
+    cfg = article_before()
     tokenizer = build_tokenizer(cfg)
     if gpu:
         path = mdl.save_random_init(run_arch(cfg, len(tokenizer)), torch.bfloat16, cfg.seed)
         print(f"random-init weights for QLoRA's 4-bit load: {path.name} in the model cache")
-
-
-def lesson5_plan(gpu: bool, fraction: float = LESSON5_FRACTION) -> list[tuple[str, list, str]]:
-    """Lesson 5's runs as (result name, `tunekit` arguments, compile cache: see `cache_env`), for `measure` one
-    at a time or `measure_in_parallel` on two GPUs. The two ends share a cache key, so they run back to back on
-    one GPU, each compile cold, then the after recipe once more with the compiled kernels cached; the
-    waterfall's middle steps skip the held-out evaluation (the same fixed cost for every recipe) and are
-    compared by the time to train; last, the after recipe with FP8 matmuls. In smoke mode: the two ends only,
-    on the tiny model, 2% of the epoch."""
-    runs = lesson5_runs(fraction if gpu else 0.02)
-    if not gpu:
-        return [(name, [*args, *LESSON5_SMOKE], "") for name, _, args in (runs[0], runs[-1])]
-    ends = [(name, args, "cold:l5-ends") for name, _, args in (runs[0], runs[-1])]
-    # the after recipe again, reading the compiled kernels the first run left: what a user's next run pays
-    warm = [("l5_after_warm", runs[-1][2], "warm:l5-ends")]
-    middle = [(name, [*args, "--eval-data="], "warm:l5-ends" if name in ("l5_step4", "l5_step6", "l5_step7")
-               else "warm:l5-other") for name, _, args in runs[1:-1]]
-    # lesson 4's fastest step on random tokens, FP8 matmuls, tried on the real data
-    fp8 = [("l5_after_fp8", [*runs[-1][2], "--fp8=true"], "cold:l5-fp8")]
-    # the speed push's fastest recipe (lesson 6), on the same real data
-    fast = [("l5_after_fast_fp8", [*runs[-1][2], "--fast-lora=true", "--fp8=true"], "cold:l5-fast")]
-    return ends + warm + middle + fp8 + fast  # an end first: the two keys go to two GPUs
 
 
 # ---- scaling from 1 to 8 GPUs ------------------------------------------------------------------------
@@ -958,7 +887,6 @@ def main(argv: list[str]) -> int:
     # python -m tunekit_course.notebook NOTEBOOK...        execute notebooks in place
     # python -m tunekit_course.notebook --measure 4 GPUS   lesson 4's plan on GPUS GPUs at once (the notebook then reads it)
     # python -m tunekit_course.notebook --measure 4 GPUS SECTION,SECTION   only those sections
-    # python -m tunekit_course.notebook --measure 5 GPUS [NAME,NAME]      lesson 5's runs (or those of them)
     # python -m tunekit_course.notebook --measure scaling GPUS [WORKLOAD,...]  1, 2, 4, 8 GPUs up to GPUS
     # python -m tunekit_course.notebook --publish [FOLDER]  copy a folder of results (this GPU's) to notebooks/results
     # Every --measure writes to results_dir(): this GPU's own folder, runs/results/<gpu>.
@@ -972,11 +900,10 @@ def main(argv: list[str]) -> int:
         return 0
     if argv[:2] == ["--measure", "scaling"]:
         measure_scaling(int(argv[2]), tuple(argv[3].split(",")) if len(argv) > 3 else tuple(SCALING_WORKLOADS))
-    elif argv[:2] == ["--measure", "5"]:  # python -m tunekit_course.notebook --measure 5 GPUS
-        lesson5_prepare(on_gpu())
-        plan = lesson5_plan(on_gpu())
-        wanted = argv[3].split(",") if len(argv) > 3 else [name for name, _, _ in plan]
-        measure_in_parallel([item for item in plan if item[0] in wanted], int(argv[2]))
+    elif argv[:1] == ["--measure"] and argv[1:2] != ["4"]:  # lesson 5's whole runs are fullrun's, not a plan here
+        print("--measure takes 4 or scaling; lesson 5's whole runs: python -m tunekit_course.fullrun SECONDS "
+              "[NAME,...]", file=sys.stderr)
+        return 2
     elif argv[:1] == ["--measure"]:
         from tunekit import speedups
 

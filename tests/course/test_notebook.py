@@ -200,60 +200,14 @@ def test_execute_writes_plain_text_progress_and_the_kernelspec(tmp_path, monkeyp
 
 
 def test_notebook_code_fits_a_laptop_screen():
-    """No code line of a notebook (or of a draft waiting to replace one) is over 100 characters: every cell reads
+    """No code line of a notebook is over 100 characters: every cell reads
     on a laptop screen in JupyterLab."""
-    paths = sorted([*(REPO_ROOT / "notebooks").glob("*.ipynb"), *(REPO_ROOT / "tunekit_course" / "drafts").glob("*.ipynb")])
+    paths = sorted((REPO_ROOT / "notebooks").glob("*.ipynb"))
     assert paths
     long = [f"{path.name}, cell index {i}, line {j + 1} ({len(line)} characters): {line}"
             for path in paths for i, cell in enumerate(nbformat.read(path, as_version=4).cells)
             if cell.cell_type == "code" for j, line in enumerate(cell.source.split("\n")) if len(line) > 100]
     assert not long, "code lines over 100 characters:\n" + "\n".join(long)
-
-
-def test_lesson5_waterfall_runs_from_before_to_after():
-    """Its first step is the `llama7b_before` preset, its last `llama7b_after` field for field (but the name),
-    and each step is a config the CLI accepts."""
-    from tunekit import cli, config
-    from tunekit.presets import llama7b_after, llama7b_before, resolve
-    from tunekit_course import notebook
-
-    runs = notebook.lesson5_runs(0.1)
-    n = len(notebook.LESSON5_STEPS)
-    assert [name for name, _, _ in runs] == ["l5_before", *(f"l5_step{i}" for i in range(1, n - 1)), "l5_after"]
-    ends = []
-    for _, _, args in (runs[0], runs[-1]):
-        parsed, rest = cli.make_parser().parse_known_args(args)
-        assert parsed.epoch == 0.1
-        ends.append(config.config_dict(resolve(parsed.preset, rest)))
-    before, after = (config.config_dict(c) for c in (llama7b_before(), llama7b_after()))
-    assert ends[0] == before
-    assert {k: v for k, v in ends[1].items() if k != "preset"} == {k: v for k, v in after.items() if k != "preset"}
-
-
-def test_lesson5_plan_runs_the_ends_back_to_back_on_one_gpu():
-    """On two GPUs the article's recipe and tunekit's run one after the other on the same GPU, the waterfall's
-    middle steps beside them without the held-out evaluation; the smoke plan is the two ends on the tiny model."""
-    from tunekit_course import notebook
-
-    plan = notebook.lesson5_plan(True)
-    assert [n for n, _, _ in plan[:2]] == ["l5_before", "l5_after"] and len(plan) == len(notebook.LESSON5_STEPS) + 3
-    queues = {}
-    for name, args, cache in plan:
-        queues.setdefault(cache.partition(":")[2], []).append(name)
-        assert ("--eval-data=" in args) == name.startswith("l5_step")
-    # the after recipe's second run reads the kernels its first run compiled
-    assert queues["l5-ends"][:3] == ["l5_before", "l5_after", "l5_after_warm"] and queues["l5-fp8"] == ["l5_after_fp8"]
-    caches = {name: cache for name, _, cache in plan}
-    assert caches["l5_after"] == "cold:l5-ends" and caches["l5_after_warm"] == "warm:l5-ends"
-    args = {name: a for name, a, _ in plan}
-    assert args["l5_after_warm"] == args["l5_after"] and args["l5_after_fp8"] == [*args["l5_after"], "--fp8=true"]
-    assert args["l5_after_fast_fp8"] == [*args["l5_after"], "--fast-lora=true", "--fp8=true"]
-    assert list(notebook.lesson5_labels()) == [*(n for n, _, _ in notebook.lesson5_runs(0.1)), "l5_after_warm",
-                                                "l5_after_fp8", "l5_after_fast_fp8"]
-    assert set(notebook.lesson5_labels()) == set(args)
-    smoke = notebook.lesson5_plan(False)
-    assert [n for n, _, _ in smoke] == ["l5_before", "l5_after"]
-    assert all("--method=lora" in args and "--epoch" in args for _, args, _ in smoke)
 
 
 def test_scaling_plan_covers_each_workload_at_each_count_it_can():
@@ -414,8 +368,8 @@ def test_fit_here_picks_the_nearest_config_that_fits_and_leaves_a_fitting_one(fa
     qlora = ["bench", "--preset", "llama7b_qlora"]  # ~12 GB: fits as it is, and nothing is said
     assert notebook.fit_here(qlora) == qlora and capsys.readouterr().out == ""
     # the article's recipe (QLoRA, checkpointing, 8 x 7 a step): a smaller micro-batch, the same samples a step
-    before = notebook.fit_here(["bench", "--preset", "llama7b_before", "--epoch", "0.1"])
-    assert before[-2:] == ["--batch-size=4", "--grad-accum=14"] and "a smaller micro-batch" in capsys.readouterr().out
+    before = notebook.fit_here(["train", "--preset", "article_before"])
+    assert before[-2:] == ["--batch-size=7", "--grad-accum=8"] and "a smaller micro-batch" in capsys.readouterr().out
     monkeypatch.setenv("TUNEKIT_MEMORY_GB", "8")  # run as on an 8 GB card: QLoRA at a smaller micro-batch
     small = notebook.fit_here(qlora)
     assert "--batch-size=" in " ".join(small) and peak(small) <= 8e9
@@ -463,6 +417,13 @@ def test_publish_copies_a_folder_of_results(fake_gpu, fake_runs, monkeypatch, tm
     assert notebook.main(["--publish", str(fake_gpu / "l4_lora_eager.json")]) == 2  # a file, not its folder
     assert f"is a file: name the folder that holds the results to publish (python -m tunekit_course.notebook " \
            f"--publish {fake_gpu})" in capsys.readouterr().err
+
+
+def test_measure_takes_lesson_4_or_scaling_and_points_lesson_5_to_fullrun(monkeypatch, capsys):
+    """Lesson 5's runs are fullrun's whole runs: `--measure 5` is refused, not taken for lesson 4's plan."""
+    monkeypatch.setattr(notebook, "measure_in_parallel", lambda *a: pytest.fail("nothing may run"))
+    assert notebook.main(["--measure", "5", "2"]) == 2
+    assert "python -m tunekit_course.fullrun SECONDS" in capsys.readouterr().err
 
 
 def test_intro_says_what_it_measures_and_how_long_the_published_run_took(fake_gpu, monkeypatch, capsys):
