@@ -921,7 +921,7 @@ def claims_table(rs: dict[str, dict], where: dict[str, tuple[str, str]] | None =
                  targets: bool = True) -> str:
     """Each claim: what the article says, the verdict, tunekit's evidence and its result files, the machine
     they were measured on, and the notebook section that judges it; without tunekit's own targets when
-    `targets` is False (a lesson's table)."""
+    `targets` is False (a lesson's table, the README's claims)."""
     where = where_judged() if where is None else where
     rows = ["| # | the article says | verdict | measured (result files in `notebooks/results/`) | machine | lesson |",
             "|---|---|---|---|---|---|"]
@@ -934,6 +934,20 @@ def claims_table(rs: dict[str, dict], where: dict[str, tuple[str, str]] | None =
         lesson = f"[{nb[:2]}: {section.replace('|', '-')}](notebooks/{nb})" if nb else "-"
         rows.append(f"| {claim} | {text} | **{v.verdict}** | {v.evidence}{files} | {machine_of(rs, v.files)} | "
                     f"{lesson} |")
+    return "\n".join(rows)
+
+
+def targets_table(rs: dict[str, dict]) -> str:
+    """tunekit's own goals (the `CLAIMS` rows marked *(tunekit's target)*), apart from the article's claims: the
+    goal, whether the published results meet it, the evidence and its result files, the machine."""
+    rows = ["| goal | target | verdict | measured (result files in `notebooks/results/`) | machine |",
+            "|---|---|---|---|---|"]
+    for claim, (text, _) in CLAIMS.items():
+        if project_target(claim):
+            v = judge(claim, rs)
+            files = f" ({', '.join(f'`{f}`' for f in v.files)})" if v.files else ""
+            goal = re.sub(r"^\*\(tunekit's targets?\)\* ", "", text)
+            rows.append(f"| {claim} | {goal} | **{v.verdict}** | {v.evidence}{files} | {machine_of(rs, v.files)} |")
     return "\n".join(rows)
 
 
@@ -1037,7 +1051,7 @@ def render_readme(text: str, rs: dict[str, dict]) -> str:
 
     blocks = {"headline": headline(rs), "results": format_table(sorted(step_results(rs), key=lambda r: r["name"])),
               "epochs": whole_runs_table(rs),
-              "claims": claims_table(rs), "reference": reference_table(rs), "speedpush": speed_table(rs),
+              "claims": claims_table(rs, targets=False), "targets": targets_table(rs), "reference": reference_table(rs), "speedpush": speed_table(rs),
               "trl": trl_table(rs), "families": families.table()}
     for name, body in blocks.items():
         pattern = re.compile(rf"(<!-- {name}:start -->\n)(?:.*?\n)?(<!-- {name}:end -->)", re.DOTALL)

@@ -121,10 +121,16 @@ def test_reference_table_marks_cited_figures():
 def test_render_readme_replaces_blocks_and_needs_them():
     text = "a\n<!-- headline:start -->\n<!-- headline:end -->\n<!-- epochs:start -->\n<!-- epochs:end -->\n" \
            "<!-- results:start -->\nOLD-BLOCK\n<!-- results:end -->\n<!-- claims:start -->\n<!-- claims:end -->\n" \
+           "<!-- targets:start -->\n<!-- targets:end -->\n" \
            "<!-- reference:start -->\n<!-- reference:end -->\n<!-- speedpush:start -->\n<!-- speedpush:end -->\n" \
            "<!-- trl:start -->\n<!-- trl:end -->\n<!-- families:start -->\n<!-- families:end -->\nz\n"
     out = claims.render_readme(text, {})
     assert "OLD-BLOCK" not in out and "| # | the article says |" in out and "14 days -> 3 (C16): unmeasured" in out
+    # the article's claims and tunekit's own targets, each in a table of its own
+    claims_block = out.split("<!-- claims:start -->")[1].split("<!-- claims:end -->")[0]
+    targets_block = out.split("<!-- targets:start -->")[1].split("<!-- targets:end -->")[0]
+    assert "| C16 |" in claims_block and "speed push" not in claims_block and "tunekit's target" not in claims_block
+    assert "| speed push | one H200: LoRA bf16 >= 21,000 tok/s" in targets_block and "| C16 |" not in targets_block
     assert "| Qwen2 / 2.5 (`Qwen/Qwen2.5-7B`) | a bias on q/k/v | ✓ |" in out  # families.table()
     assert out.startswith("a\n") and out.endswith("z\n")
     assert claims.render_readme(out, {}) == out
