@@ -266,6 +266,8 @@ def shown(mine: dict[str, dict], published: dict[str, dict] | None = None
     change against the bar before it (`reference`, `describe_change`), "" for the first bar or where the bar
     before it is not measured). A bar measured here is read against the bars measured here, the published ones
     where those are missing (and then not compared: other GPUs); a published bar against the published ones.
+    A bar measured a second time (NAME_again: the reference of the part after it, on that part's GPU) gets a
+    row of its own under the bar, so that the change of the bar below reads against a bar drawn beside it.
     `published` defaults to the published results of the bars and their second measurements."""
     published = _published_bars() if published is None else published
     rows = []
@@ -273,6 +275,10 @@ def shown(mine: dict[str, dict], published: dict[str, dict] | None = None
         r, p = mine.get(name), published.get(name)
         ref = reference({**published, **mine} if r else published, name) if (r or p) else None
         rows.append((name, label, r, p, describe_change(ref, r or p) if ref else ""))
+        again = name + AGAIN
+        if mine.get(again) or published.get(again):  # the bar the next one is read against, on that one's GPU
+            rows.append((again, f"{label} (again, on the next bars' GPU)", mine.get(again),
+                         published.get(again), ""))
     return rows
 
 
@@ -321,9 +327,11 @@ def _published_bars() -> dict[str, dict]:
 
 
 def yours_or_published(mine: dict[str, dict]) -> dict[str, dict]:
-    """The bars the lesson's summary reads: those measured here (`mine`, with their second measurements) where
-    any is, else the published ones; one source, so that no change is read across the two."""
-    return {n: mine[n] for n in _bar_names() if n in mine} or _published_bars()
+    """The bars the lesson's summary reads: each bar as measured here (`mine`, with the second measurements)
+    where it was, else as published. No change is read across the two: a bar is only ever compared with the bar
+    before it from its own GPU (`reference`, `bar_change`), so a learner who measured part of the waterfall sees
+    that part from their GPU and the rest from the published bars."""
+    return {**_published_bars(), **{n: mine[n] for n in _bar_names() if n in mine}}
 
 
 def summary(results: dict[str, dict]) -> list[str]:

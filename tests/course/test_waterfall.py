@@ -160,8 +160,31 @@ def test_a_part_on_another_gpu_measures_its_reference_bar_again(tmp_path, monkey
     results = {**first, **second}
     assert waterfall.reference(results, "l5w_06") is second["l5w_05_again"]  # its own GPU's
     assert waterfall.reference(results, "l5w_05") is first["l5w_04"] and waterfall.reference(results, "l5w_00") is None
+    order = [name for name, *_ in waterfall.shown({}, results)]
+    assert order[5:8] == ["l5w_05", "l5w_05_again", "l5w_06"]  # the reference drawn right above what reads it
     rows = {name: row for name, *row in waterfall.shown({}, results)}
+    assert rows["l5w_05_again"] == [f"{runs[5][1]} (again, on the next bars' GPU)", None,
+                                    second["l5w_05_again"], ""]
     assert rows["l5w_06"][3].startswith("2.00x the bar before") and rows["l5w_05"][3].startswith("1.50x")
     assert rows["l5w_00"][3] == "" and rows["l5w_07"] == [runs[7][1], None, None, ""]
     mine = {"l5w_06": _bar([6000.0] * 30, tokens, "GPU-3")}  # measured here, the bar before it only published
     assert "not compared" in {n: row for n, *row in waterfall.shown(mine, results)}["l5w_06"][3]
+
+
+def test_the_summary_reads_your_bars_and_the_published_ones_for_the_rest(monkeypatch):
+    """A learner who measured part of the waterfall: the summary reads that part from their GPU and the part
+    they did not measure from the published bars, never a change across the two."""
+    from tunekit_course import notebook
+
+    tokens = [1000] * 30
+    names = [name for name, _, _ in waterfall.waterfall_runs()]
+    rates = [1000.0, 1000.0, 1000.0, 1000.0, 1000.0, 3000.0]
+    published = {name: _bar([r] * 30, tokens, "GPU-1") for name, r in zip(names, rates)}
+    monkeypatch.setattr(notebook, "published", lambda name: published.get(name))
+    mine = {"l5w_05_again": _bar([3300.0] * 30, tokens, "GPU-2"), "l5w_06": _bar([6600.0] * 30, tokens, "GPU-2")}
+    both = waterfall.yours_or_published(mine)
+    assert both["l5w_00"] is published["l5w_00"] and both["l5w_06"] is mine["l5w_06"]
+    lines = waterfall.summary(both)
+    assert lines[0].startswith("The article's 5 items, one bar each: 3.00x the steady rate")  # published, GPU-1
+    assert lines[1] == "The course's 10 changes after them: 1 of 10 bars measured and compared, so not added up"
+    assert waterfall.changes(both)[5][2]["ratio"] == pytest.approx(2.0)  # l5w_06: yours, on GPU-2 alone
