@@ -175,6 +175,20 @@ def _when(r: dict) -> str:
     return r["date"][:16].replace("T", " ") + " UTC"
 
 
+def read_back(name: str, r: dict) -> str:
+    """The line a cell prints for result `r` of your results folder, read back instead of measured: when, and
+    whether on this GPU or on another machine of its kind whose result was copied in (two machines of one GPU
+    model differ by up to ~20%: its figures are that machine's, not this one's)."""
+    from tunekit_course.runlog import gpu_uuid
+
+    there = r.get("gpu_uuid")  # None in a result from before GPUs were recorded: then taken as this GPU's
+    again = "; TUNEKIT_REMEASURE=1 measures again"
+    if there and (here := gpu_uuid()) and here != there:
+        return (f"{name}: measured {_when(r)} on another {_where(r)} machine and copied into your results folder "
+                f"(its figures are that machine's, not this GPU's){again}")
+    return f"{name}: your measurement of {_when(r)} on this GPU ({_where(r)}){again}"
+
+
 def _command(args) -> str:
     """`tunekit ARGS` as the notebook prints it, without the result folder (a path of this machine)."""
     return re.sub(r" --out[ =]\S+", "", " ".join(map(str, args)))
@@ -361,9 +375,7 @@ def measure(name: str, nproc: int, *args, env: dict | None = None) -> None:
     out = results_dir()
     path = out / f"{name}.json"
     if on_gpu() and path.exists() and os.environ.get("TUNEKIT_REMEASURE", "") in ("", "0"):
-        r = json.loads(path.read_text())
-        print(f"{name}: your measurement of {_when(r)} on this GPU ({_where(r)}); TUNEKIT_REMEASURE=1 measures "
-              "again")
+        print(read_back(name, json.loads(path.read_text())))
         return
     # From the checkout, with the folder named inside it: what the command prints is no path of this machine
     rel = out.relative_to(REPO_ROOT) if out.is_relative_to(REPO_ROOT) else out

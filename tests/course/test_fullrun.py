@@ -79,7 +79,7 @@ def test_eval_every_epoch_across_a_resume(tmp_path):
     assert b["uniform"] > b["unigram"] > b["bigram"] > 0 and b["heldout_tokens"] > 0
 
 
-def test_lesson5_runs_go_on_where_the_last_command_stopped(tmp_path, monkeypatch):
+def test_lesson5_runs_go_on_where_the_last_command_stopped(tmp_path, monkeypatch, capsys):
     from tunekit_course import notebook
 
     monkeypatch.setenv("TUNEKIT_SMOKE", "1")
@@ -88,7 +88,9 @@ def test_lesson5_runs_go_on_where_the_last_command_stopped(tmp_path, monkeypatch
     assert fullrun.measure_runs(0, runs) == []  # no time: nothing started
     assert fullrun.main(["3600"]) == 0  # both smoke runs, whole
     assert [json.loads((notebook.results_dir() / f"{n}.json").read_text())["steps"] for n, _, _ in runs] == [6, 6]
+    capsys.readouterr()
     assert fullrun.measure_runs(3600, runs) == ["l5_smoke_a", "l5_smoke_b"]  # done: nothing run again
+    assert "l5_smoke_a: your measurement of " in capsys.readouterr().out  # read back, and says so
     assert fullrun.main(["l5_smoke"]) == 2  # neither a budget nor a run with its arguments: the usage
     assert fullrun.main(["--rederive", "x"]) == 2  # its arguments missing
 

@@ -298,6 +298,20 @@ def fake_runs(monkeypatch):
     return calls
 
 
+def test_a_result_copied_in_from_another_machine_says_so(monkeypatch):
+    """A result read back from your results folder says whether this GPU measured it or another machine of its
+    kind did (a published result copied in): two machines of one model differ, so its figures are not yours."""
+    from tunekit_course import runlog
+
+    r = {"date": "2026-12-04T10:00:00+00:00", "gpu": "NVIDIA H200", "world_size": 1, "gpu_uuid": "aaa"}
+    monkeypatch.setattr(runlog, "gpu_uuid", lambda: "bbb")
+    assert notebook.read_back("l5_x", r) == (
+        "l5_x: measured 2026-12-04 10:00 UTC on another H200 machine and copied into your results folder (its "
+        "figures are that machine's, not this GPU's); TUNEKIT_REMEASURE=1 measures again")
+    monkeypatch.setattr(runlog, "gpu_uuid", lambda: "aaa")
+    assert notebook.read_back("l5_x", r).startswith("l5_x: your measurement of 2026-12-04 10:00 UTC on this GPU (H200)")
+
+
 def test_measure_measures_this_gpu_even_where_a_published_result_exists(fake_gpu, fake_runs, capsys, monkeypatch):
     assert (notebook.RESULTS / "l4_lora_eager.json").exists()
     before = _snapshot(notebook.RESULTS)
