@@ -1051,7 +1051,8 @@ def render_readme(text: str, rs: dict[str, dict]) -> str:
 
     blocks = {"headline": headline(rs), "results": format_table(sorted(step_results(rs), key=lambda r: r["name"])),
               "epochs": whole_runs_table(rs),
-              "claims": claims_table(rs, targets=False), "targets": targets_table(rs), "reference": reference_table(rs), "speedpush": speed_table(rs),
+              "claims": claims_table(rs, targets=False), "targets": targets_table(rs),
+              "reference": reference_table(rs), "speedpush": speed_table(rs),
               "trl": trl_table(rs), "families": families.table()}
     for name, body in blocks.items():
         pattern = re.compile(rf"(<!-- {name}:start -->\n)(?:.*?\n)?(<!-- {name}:end -->)", re.DOTALL)
