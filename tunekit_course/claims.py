@@ -929,11 +929,9 @@ def claims_table(rs: dict[str, dict], where: dict[str, tuple[str, str]] | None =
         if not targets and project_target(claim):
             continue
         v = judge(claim, rs)
-        files = f" ({', '.join(f'`{f}`' for f in v.files)})" if v.files else ""
         nb, section = where.get(claim, ("", ""))
         lesson = f"[{nb[:2]}: {section.replace('|', '-')}](notebooks/{nb})" if nb else "-"
-        rows.append(f"| {claim} | {text} | **{v.verdict}** | {v.evidence}{files} | {machine_of(rs, v.files)} | "
-                    f"{lesson} |")
+        rows.append(f"| {claim} | {text} | **{v.verdict}** | {_evidence(v)} | {machine_of(rs, v.files)} | {lesson} |")
     return "\n".join(rows)
 
 
@@ -945,10 +943,14 @@ def targets_table(rs: dict[str, dict]) -> str:
     for claim, (text, _) in CLAIMS.items():
         if project_target(claim):
             v = judge(claim, rs)
-            files = f" ({', '.join(f'`{f}`' for f in v.files)})" if v.files else ""
             goal = re.sub(r"^\*\(tunekit's targets?\)\* ", "", text)
-            rows.append(f"| {claim} | {goal} | **{v.verdict}** | {v.evidence}{files} | {machine_of(rs, v.files)} |")
+            rows.append(f"| {claim} | {goal} | **{v.verdict}** | {_evidence(v)} | {machine_of(rs, v.files)} |")
     return "\n".join(rows)
+
+
+def _evidence(v: Verdict) -> str:
+    """A table row's evidence: the verdict's, and the result files it was read from."""
+    return v.evidence + (f" ({', '.join(f'`{f}`' for f in v.files)})" if v.files else "")
 
 
 def reference_table(rs: dict[str, dict], cite: dict[str, dict] | None = None) -> str:

@@ -250,15 +250,38 @@ def model_folder(runs: list[tuple[str, list[str], dict]] | None = None) -> Path 
     return (tunekit or kept or [None])[0]
 
 
-def measured(name: str) -> bool:
-    """Whether the whole run NAME has a result on this GPU already (your results folder, `notebook.results_dir`):
-    it is read back, not run again, unless TUNEKIT_REMEASURE=1 (as `notebook.measure` does)."""
-    import os
-
+def result_path(name: str) -> Path:
+    """Where the whole run NAME's result is on this GPU: your results folder (`notebook.results_dir`)."""
     from tunekit_course import notebook
 
+    return notebook.results_dir() / f"{name}.json"
+
+
+def measured(name: str) -> bool:
+    """Whether the whole run NAME has a result on this GPU already (`result_path`): it is read back, not run
+    again, unless TUNEKIT_REMEASURE=1 (as `notebook.measure` does)."""
+    import os
+
     again = os.environ.get("TUNEKIT_REMEASURE", "") not in ("", "0")
-    return not again and (notebook.results_dir() / f"{name}.json").exists()
+    return not again and result_path(name).exists()
+
+
+def prepare() -> None:
+    """What a user's first run downloads once and every later run reads from disk, made before lesson 5's timed
+    whole runs (`measure_runs`) so that none of them pays for it: the tokenizer (trained on GSM8K here) and the
+    random-init 7B checkpoint that QLoRA's 4-bit load reads (a hub model's weights, on a user's machine). Built
+    from `article_before`: every whole run has its 7B shape and seed, so they share both."""
+    import torch
+
+    from tunekit import model as mdl
+    from tunekit.build import run_arch
+    from tunekit.prepare import build_tokenizer
+    from tunekit.presets import article_before
+
+    cfg = article_before()
+    tokenizer = build_tokenizer(cfg)
+    path = mdl.save_random_init(run_arch(cfg, len(tokenizer)), torch.bfloat16, cfg.seed)
+    print(f"random-init weights for QLoRA's 4-bit load: {path.name} in the model cache")
 
 
 def measure_runs(budget_s: float, runs: list[tuple[str, list[str], dict]] | None = None,
@@ -278,11 +301,11 @@ def measure_runs(budget_s: float, runs: list[tuple[str, list[str], dict]] | None
     if notebook.replay_mode():  # the published results are read, nothing runs
         return [name for name, _, _ in runs if measured(name)]
     if notebook.on_gpu() and not all(measured(name) for name, _, _ in runs):
-        notebook.lesson5_prepare(True)  # what a user's first run downloads once: no timed run pays for it
+        prepare()  # what a user's first run downloads once: no timed run pays for it
     for name, args, env in runs:
         left = budget_s - (time.perf_counter() - t0)
         if measured(name):  # read back, and says so: from this GPU or copied in from another machine
-            print(notebook.read_back(name, json.loads((notebook.results_dir() / f"{name}.json").read_text())))
+            print(notebook.read_back(name, json.loads(result_path(name).read_text())))
             continue
         if done(run_folder(name)):
             continue

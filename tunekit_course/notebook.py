@@ -736,24 +736,7 @@ LESSON4_SPEEDUPS = [
 ]
 
 
-# ---- lesson 5: its whole runs are tunekit_course/fullrun.py's ----------------------------------------------
-
-
-def lesson5_prepare(gpu: bool) -> None:
-    """What a user's first run downloads once and every later run reads from disk, made before lesson 5's timed
-    whole runs (`fullrun.measure_runs`) so that none of them pays for it: the tokenizer (trained on GSM8K here)
-    and, on a GPU, the random-init 7B checkpoint that QLoRA's 4-bit load reads (a hub model's weights, on a
-    user's machine). Built from `article_before`: every whole run has its 7B shape and seed, so they share both."""
-    from tunekit import model as mdl
-    from tunekit.build import run_arch
-    from tunekit.prepare import build_tokenizer
-    from tunekit.presets import article_before
-
-    cfg = article_before()
-    tokenizer = build_tokenizer(cfg)
-    if gpu:
-        path = mdl.save_random_init(run_arch(cfg, len(tokenizer)), torch.bfloat16, cfg.seed)
-        print(f"random-init weights for QLoRA's 4-bit load: {path.name} in the model cache")
+# ---- lesson 5: its whole runs, and what they prepare, are tunekit_course/fullrun.py's --------------------------
 
 
 # ---- scaling from 1 to 8 GPUs ------------------------------------------------------------------------
