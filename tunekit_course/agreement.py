@@ -1,14 +1,26 @@
-"""Whether the committed notebooks say what the published results say: every verdict a notebook printed (a line
-`[yours, GPU: | published, GPU: ]CLAIM verdict: VERDICT — EVIDENCE`, and each row of a claims table it
-displayed) against the verdict `claims.judge` gives today from `notebooks/results/`, the files the README's
-tables are generated from. A notebook executed before its results were re-measured or its judging code changed
-shows an older verdict or older figures; this finds it, line by line, so the two cannot drift apart unseen.
+"""Whether the committed notebooks say what the published results say. A notebook executed before its results
+were re-measured or its code changed shows an older verdict or older figures; this finds them, line by line, so
+the two cannot drift apart unseen. Two checks:
 
-    python -m tunekit_course.agreement [NOTEBOOK...]     each disagreement, one a line; exit code 1 if any
+- verdicts (`disagreements`): every verdict a notebook printed (a line `[yours, GPU: | published, GPU:
+  ]CLAIM verdict: VERDICT — EVIDENCE`, and each row of a claims table it displayed) against the verdict
+  `claims.judge` gives today from `notebooks/results/`, the files the README's tables are generated from;
+- figures (`figure_disagreements`): the notebook executed again in replay mode (TUNEKIT_REPLAY=1: the published
+  results read back, nothing measured, on any machine, `replay`), and every line of it that starts with a
+  published result's name (a table row, a result beside another, a whole run's summary) held against the
+  committed cell's lines that start with that name: each figure the code prints today from the file must be
+  among the figures the committed cell printed there, as printed (rounded as the replayed line rounds it).
+  Lines that depend on the mode by design (where a result was read from) are left out; a committed cell that
+  has no line for a result the code prints today is a disagreement (an output older than the cell's code).
+
+    python -m tunekit_course.agreement [NOTEBOOK...]            each disagreement, one a line; exit code 1 if any
+    python -m tunekit_course.agreement --figures [NOTEBOOK...]  the figure check too (replays each notebook)
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -106,13 +118,127 @@ def _first_difference(printed: str, now: str, context: int = 40) -> str:
     return f"...{printed[start:i + context]!r}... where the published results give ...{now[start:i + context]!r}..."
 
 
+# a figure as printed: 13,252 / 0.618 / ±0.6% / +2.6% / 3.04x; not the digits of a word (H200, b4x2048, fp8)
+FIGURE = re.compile(r"(?<![\w.])[-+]?\d[\d,]*(?:\.\d+)?(?![A-Za-wyz_\d])")
+# where a result was read from, which replay mode says in its own words by design (no figure of the result's)
+WHERE_FROM = re.compile(r": (?:replaying the published|no published result to replay|your measurement of|measured "
+                        r".+ on another|the published result of|reusing the result of|not saved \(replay mode)")
+
+
+@contextlib.contextmanager
+def _replay_env():
+    """The environment a replaying kernel inherits: TUNEKIT_REPLAY=1, none of the switches that change what a
+    lesson runs, and Jupyter's own plotting backend (as notebooks/conftest.py starts a lesson's kernel)."""
+    saved = dict(os.environ)
+    for var in ("TUNEKIT_SMOKE", "TUNEKIT_REMEASURE", "TUNEKIT_MEMORY_GB", "MPLBACKEND"):
+        os.environ.pop(var, None)
+    os.environ["TUNEKIT_REPLAY"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def replay(path: str | Path, timeout: int = 600):
+    """The notebook at `path` executed in replay mode in its own folder, in memory (the file is not touched):
+    its cells print the published results' figures with today's code. Raises nbclient's CellExecutionError
+    naming the cell where a cell fails."""
+    import nbclient
+
+    path = Path(path)
+    nb = nbformat.read(path, as_version=4)
+    with _replay_env():
+        nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                                resources={"metadata": {"path": str(path.parent)}}).execute()
+    return nb
+
+
+def _named(line: str, names: list[str]) -> tuple[str | None, str]:
+    """The published result `line` starts with (a table row's first cell counts), and the rest of the line."""
+    text = line.strip().lstrip("|").strip()
+    for name in names:  # longest first: l4_lora_fp8 is not l4_lora_fp8_torchao
+        if text.startswith(name) and not text[len(name):len(name) + 1].strip("_-").isalnum():
+            return name, text[len(name):]
+    return None, text
+
+
+def _figures(text: str) -> list[str]:
+    return FIGURE.findall(text)
+
+
+def _shown(figure: str, printed: list[str]) -> bool:
+    """Whether `figure` (as the replayed line prints it) is among `printed`, rounded as `figure` is."""
+    number = lambda f: float(f.replace(",", ""))
+    places = len(figure.partition(".")[2])
+    return any(round(number(p), places) == round(number(figure), places) for p in printed)
+
+
+def figure_disagreements(committed, replayed, names: list[str], notebook: str = "",
+                         held: list[str] | None = None) -> list[str]:
+    """One line for each line of `replayed` (the notebook `committed` executed in replay mode) that starts with
+    one of `names` (the published results) and whose figures the committed cell at the same index does not show
+    on its own lines for that result: "cell index I: NAME: the code prints ... today; the committed cell does not
+    show F for it", or that the committed cell shows no line for NAME at all. Each replayed line held against
+    the committed cell is appended to `held`, where given."""
+    names = sorted(names, key=len, reverse=True)
+    out = []
+    for i, (mine, now) in enumerate(zip(committed.cells, replayed.cells)):
+        if mine.cell_type != "code":
+            continue
+        shown: dict[str, list[str]] = {}
+        for line in "\n".join(_texts(mine)).split("\n"):
+            name, rest = _named(line, names)
+            if name and not WHERE_FROM.search(line):
+                shown.setdefault(name, []).extend(_figures(rest))
+        for line in "\n".join(_texts(now)).split("\n"):
+            name, rest = _named(line, names)
+            if not name or WHERE_FROM.search(line):
+                continue
+            where = f"{notebook + ', ' if notebook else ''}cell index {i}: {name}"
+            if held is not None:
+                held.append(line)
+            if name not in shown:
+                out.append(f"{where}: the code prints {line.strip()!r} today; the committed cell shows no line "
+                           "for it (an output older than its cell)")
+            elif missing := [f for f in _figures(rest) if not _shown(f, shown[name])]:
+                out.append(f"{where}: the code prints {line.strip()!r} today; the committed cell does not show "
+                           f"{', '.join(missing)} for it")
+    return out
+
+
+def replayed_disagreements(paths: list[Path] | None = None, held: dict[str, list[str]] | None = None) -> list[str]:
+    """`figure_disagreements` of every lesson at `paths` (default: all), each replayed; a lesson whose replay
+    fails is one line naming the cell. `held`, where given, gets each lesson's replayed lines held against it."""
+    import nbclient
+
+    from tunekit import results
+
+    paths = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")) if paths is None else paths
+    names = list(results.by_name(NOTEBOOKS / "results"))
+    out = []
+    for path in paths:
+        try:
+            now = replay(path)
+        except nbclient.exceptions.CellExecutionError as e:
+            out.append(f"{path.name}: its replay fails: {str(e).strip().splitlines()[-1][:300]}")
+            continue
+        lines = [] if held is None else held.setdefault(path.name, [])
+        out += figure_disagreements(nbformat.read(path, as_version=4), now, names, path.name, lines)
+    return out
+
+
 def main(argv: list[str]) -> int:
-    paths = [Path(a) for a in argv] or None
-    found = disagreements(paths)
+    figures = argv[:1] == ["--figures"]
+    paths = [Path(a) for a in argv[figures:]] or None
+    held: dict[str, list[str]] = {}
+    found = disagreements(paths) + (replayed_disagreements(paths, held) if figures else [])
+    for name, lines in held.items():
+        print(f"{name}: {len(lines)} replayed line(s) held against its committed outputs")
     for line in found:
         print(line)
-    print(f"{len(found)} disagreement(s)" if found else "every verdict the notebooks show agrees with the published "
-          "results")
+    print(f"{len(found)} disagreement(s)" if found else f"every verdict {'and figure ' if figures else ''}the "
+          "notebooks show agrees with the published results")
     return 1 if found else 0
 
 
