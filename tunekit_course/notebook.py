@@ -28,6 +28,7 @@ so they do not read "0%" forever.
 
 from __future__ import annotations
 
+import contextlib
 import html
 import json
 import os
@@ -153,6 +154,30 @@ def tidy(line: str) -> str:
     """A line of a command's output as a lesson prints it: paths inside the checkout relative to it, a package's
     file from its `site-packages/` on (a traceback's or PyTorch's log's), so no folder of this machine shows."""
     return _SITE_PACKAGES.sub("site-packages/", line.replace(f"{REPO_ROOT}{os.sep}", ""))
+
+
+@contextlib.contextmanager
+def quiet():
+    """The progress bars of transformers, datasets and huggingface_hub off inside (writing a model's shards,
+    loading its weights, a dataset's maps): on a lesson's page each is a line of noise a cell's own output
+    says better. Each library's setting is put back as it was."""
+    import datasets
+    import huggingface_hub.utils as hub
+    from transformers.utils import logging as hf_logging
+
+    was = (hf_logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled(), hub.are_progress_bars_disabled())
+    hf_logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+    hub.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was[0]:
+            hf_logging.enable_progress_bar()
+        if was[1]:
+            datasets.enable_progress_bars()
+        if not was[2]:
+            hub.enable_progress_bars()
 
 
 def save(result: dict) -> Path | None:
@@ -305,9 +330,48 @@ def nearest_fit(preset: str, rest: list[str], budget: float, where: str = "this 
     return [], lines, need
 
 
+_ONCE = ("attention: ",)  # a run's banner lines a lesson shows once: the same line again says nothing new
+_SHOWN_ONCE: set[str] = set()  # those shown in this kernel (one notebook)
+
+
+def _new(line: str) -> bool:
+    """False for a banner line (`_ONCE`) this kernel has printed already: a lesson that runs `tunekit` five
+    times shows its attention backend once, and again only where it changes."""
+    if not line.startswith(_ONCE):
+        return True
+    if line in _SHOWN_ONCE:
+        return False
+    _SHOWN_ONCE.add(line)
+    return True
+
+
+_RECOMPILING = re.compile(r"\[__recompiles\] Recompiling function (\S+) in (\S+)")
+_GUARD_FAILED = re.compile(r"\[__recompiles\]\s+- \d+/\d+: (.+)$")
+
+
+def recompiles(lines: list[str]) -> str | None:
+    """What a run's `TORCH_LOGS=recompiles` log says, in one line: how many times each function was compiled
+    again and the guards that failed (a compiled graph is reused only where all of its guards hold); None
+    where the log has no recompile."""
+    counts: dict[tuple[str, str], int] = {}
+    guards: dict[str, None] = {}  # in order, once each
+    for line in lines:
+        if m := _RECOMPILING.search(line):
+            key = (m[1], tidy(m[2]).removeprefix("site-packages/"))
+            counts[key] = counts.get(key, 0) + 1
+        elif m := _GUARD_FAILED.search(line):
+            guards[m[1].strip()] = None
+    if not counts:
+        return None
+    what = "; ".join(f"{n} recompile(s) of {fn} ({where}): {n + 1} graphs of it" for (fn, where), n in
+                     counts.items())
+    return f"TORCH_LOGS=recompiles, in short: {what}. The guards that failed: {'; '.join(guards)}"
+
+
 def run(*args: str, check: bool = True, env: dict | None = None, cwd: Path | None = None) -> int:
-    """Run `tunekit ARGS...` in a child process, streaming its output into the notebook; `env` adds
-    variables for this run only."""
+    """Run `tunekit ARGS...` in a child process, streaming its output into the notebook (a banner line shown
+    before in this notebook left out, a recompile log summed up after it); `env` adds variables for this
+    run only."""
     if _replayed(args):
         return 0
     cmd = [sys.executable, "-m", "tunekit.cli", *map(str, args)]
@@ -315,9 +379,15 @@ def run(*args: str, check: bool = True, env: dict | None = None, cwd: Path | Non
     print(f"$ {extra + ' ' if extra else ''}tunekit " + " ".join(map(str, args)), flush=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1", **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
-    for line in proc.stdout:
-        print(tidy(line), end="")
+    logged = []
+    for line in map(tidy, proc.stdout):
+        if "[__recompiles]" in line:
+            logged.append(line)
+        if _new(line):
+            print(line, end="")
     code = proc.wait()
+    if summary := recompiles(logged):
+        print(f"\n{summary}")
     if check and code != 0:
         raise RuntimeError(f"tunekit {' '.join(map(str, args))} failed with exit code {code}")
     return code
@@ -344,8 +414,9 @@ def torchrun(nproc: int, *args: str, env: dict | None = None, check: bool = True
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, cwd=cwd)
     last, held = None, []  # `held`: a traceback, printed at the end unless it is only the launcher's report
     for line in map(tidy, proc.stdout):
-        if line.startswith(("W1", "E1", "I1", "[W", "*****", "Setting OMP_NUM_THREADS")) or line == last:
-            continue  # the launcher's chatter, and the same line from a second rank
+        if line.startswith(("W1", "E1", "I1", "[W", "*****", "Setting OMP_NUM_THREADS")) or line == last \
+                or not _new(line):
+            continue  # the launcher's chatter, the same line from a second rank, a banner shown before
         if held or line.startswith("Traceback (most recent call last)"):
             held.append(line)
         else:

@@ -482,3 +482,64 @@ def test_bench_and_train_run_under_tunekit_memory_gb(monkeypatch, capsys):
                         or contextlib.nullcontext())
     _, gb = commands.env_memory_cap()
     assert gb == 24.0 and capped == [(24.0, 0)]
+
+
+RECOMPILE_LOG = """\
+V1205 07:32:47.566000 29320 torch/_dynamo/guards.py:5396] [0/1] [__recompiles] Recompiling function forward_with_checkpointing in /x/.venv/lib/python3.11/site-packages/transformers/modeling_layers.py:89
+V1205 07:32:47.566000 29320 torch/_dynamo/guards.py:5396] [0/1] [__recompiles]     triggered by the following guard failure(s):
+V1205 07:32:47.566000 29320 torch/_dynamo/guards.py:5396] [0/1] [__recompiles]     - 0/0: tensor 'args[0]' requires_grad mismatch. expected requires_grad=0
+V1205 07:32:47.967000 29320 torch/_dynamo/guards.py:5396] [0/2] [__recompiles] Recompiling function forward_with_checkpointing in /x/.venv/lib/python3.11/site-packages/transformers/modeling_layers.py:89
+V1205 07:32:47.967000 29320 torch/_dynamo/guards.py:5396] [0/2] [__recompiles]     triggered by the following guard failure(s):
+V1205 07:32:47.967000 29320 torch/_dynamo/guards.py:5396] [0/2] [__recompiles]     - 0/1: tensor 'args[0]' requires_grad mismatch. expected requires_grad=1
+V1205 07:32:47.967000 29320 torch/_dynamo/guards.py:5396] [0/2] [__recompiles]     - 0/0: tensor 'args[0]' size mismatch at index 1. expected 128, actual 64
+"""
+
+
+def test_a_lesson_shows_a_runs_attention_banner_once_and_sums_up_its_recompiles(monkeypatch, capsys):
+    # a `tunekit train` child process as notebook.run reads it: its output lines, then its exit code
+    outputs = []
+
+    class Child:
+        def __init__(self, cmd, **kw):
+            self.stdout = iter(outputs.pop(0).splitlines(keepends=True))
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(notebook.subprocess, "Popen", Child)
+    monkeypatch.setattr(notebook, "_SHOWN_ONCE", set())
+    banner = "attention: auto: PyTorch SDPA (CPU); sdpa_backend=auto: PyTorch's default order (CPU)\n"
+    outputs += [banner + "done: 12 steps\n", banner + RECOMPILE_LOG + "done: 12 steps\n",
+                banner.replace("auto", "eager", 1) + "done\n"]
+    notebook.run("train", "--preset", "tiny")
+    notebook.run("train", "--preset", "tiny", env={"TORCH_LOGS": "recompiles"})
+    notebook.run("train", "--preset", "tiny", "--attention", "eager")
+    out = capsys.readouterr().out
+    assert out.count("attention: auto") == 1 and out.count("attention: eager") == 1  # once, and again if it changes
+    assert out.count("[__recompiles]") == 7  # the log itself, as PyTorch wrote it
+    assert ("TORCH_LOGS=recompiles, in short: 2 recompile(s) of forward_with_checkpointing "
+            "(transformers/modeling_layers.py:89): 3 graphs of it. The guards that failed: tensor 'args[0]' "
+            "requires_grad mismatch. expected requires_grad=0; tensor 'args[0]' requires_grad mismatch. expected "
+            "requires_grad=1; tensor 'args[0]' size mismatch at index 1. expected 128, actual 64") in out
+    assert notebook.recompiles(["step 1/3: loss 6.6"]) is None
+
+
+def test_quiet_turns_the_libraries_progress_bars_off_inside_and_back_as_they_were():
+    import datasets
+    import huggingface_hub.utils as hub
+    from transformers.utils import logging as hf_logging
+
+    state = lambda: (hf_logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled(),
+                     hub.are_progress_bars_disabled())
+    before = state()
+    with notebook.quiet():
+        assert state() == (False, False, True)
+    assert state() == before
+    datasets.disable_progress_bars()  # one the caller had off stays off
+    try:
+        with notebook.quiet():
+            pass
+        assert not datasets.is_progress_bar_enabled()
+    finally:
+        if before[1]:
+            datasets.enable_progress_bars()
