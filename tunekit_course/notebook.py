@@ -214,9 +214,23 @@ def read_back(name: str, r: dict) -> str:
     return f"{name}: your measurement of {_when(r)} on this GPU ({_where(r)}){again}"
 
 
+_ABSOLUTE = re.compile(r"(?<![\w.])/[^\s'\"]+")
+# a checkout's own folders: an absolute path through one is shown from it on (the last, where several)
+_CHECKOUT = ("notebooks", "runs", "tunekit", "tunekit_course", "examples", "tests", "data", ".unsite")
+
+
+def _in_checkout(path: str) -> str:
+    """An absolute path of the machine that ran a command, as a lesson prints it: from the checkout's own
+    folder on (`/srv/x/.unsite` -> `.unsite`), else its last part."""
+    parts = path.split("/")
+    at = max((i for i, p in enumerate(parts) if p in _CHECKOUT), default=len(parts) - 1)
+    return "/".join(parts[at:])
+
+
 def _command(args) -> str:
-    """`tunekit ARGS` as the notebook prints it, without the result folder (a path of this machine)."""
-    return re.sub(r" --out[ =]\S+", "", " ".join(map(str, args)))
+    """`tunekit ARGS` as the notebook prints it, without the result folder and with no absolute path (a path
+    of the machine that ran it)."""
+    return _ABSOLUTE.sub(lambda m: _in_checkout(m[0]), re.sub(r" --out[ =]\S+", "", " ".join(map(str, args))))
 
 
 def entry_of(r: dict) -> str:
