@@ -55,13 +55,20 @@ def fastest_per_card(results: dict[str, dict], cards=CARDS, key: str = "tokens_p
     return rows
 
 
-def what_to_run(results: dict[str, dict], gpu: str = "the published H200", cards=CARDS) -> str:
+def what_to_run(results: dict[str, dict], gpu: str = "the published H200", cards=CARDS, gpus: int = 1) -> str:
     """`fastest_per_card` as the lines a lesson prints: a card a line, what to run, its speed and the memory it
-    needs, and the GPU the speeds are from."""
+    needs, and the GPU the speeds are from. With `gpus` > 1, for that many cards of each size: the results run
+    on that many GPUs, each card holding one process's peak, speeds per GPU."""
     from tunekit_course.charts import setup
 
-    lines = [(f"What to run, by the memory of your card (the fastest configuration measured that fits it; speeds "
-              f"are {gpu}'s):")]
+    if gpus > 1:
+        results = {n: r for n, r in results.items() if (r.get("world_size") or 1) == gpus}
+        head = (f"What to run on {gpus} cards, by the memory of each (the fastest configuration measured on {gpus} "
+                f"GPUs where each process fits one card; tok/s per GPU, {gpu}'s):")
+    else:
+        head = (f"What to run, by the memory of your card (the fastest configuration measured that fits it; speeds "
+                f"are {gpu}'s):")
+    lines = [head]
     for row in fastest_per_card(results, cards):
         card = f"{row['gb']} GB ({', '.join(row['gpus'])})" if row["gpus"] else f"{row['gb']} GB"
         r = row["result"]
@@ -73,10 +80,10 @@ def what_to_run(results: dict[str, dict], gpu: str = "the published H200", cards
 
 
 def for_lesson(prefix: str, like: str, mine: dict[str, dict] | None = None, skip: tuple[str, ...] = (),
-               gpu: str = "") -> str:
+               gpu: str = "", gpus: int = 1) -> str:
     """A lesson's closing "what to run": `what_to_run` over the published results named PREFIX... of the model
     the published result `like` trained (less names holding a word of `skip`), and over `mine` (this GPU's own
-    results of the lesson, named `gpu`) first where given."""
+    results of the lesson, named `gpu`) first where given; on `gpus` cards of each size where more than one."""
     from tunekit.results import by_name
     from tunekit_course import RESULTS
 
@@ -88,5 +95,5 @@ def for_lesson(prefix: str, like: str, mine: dict[str, dict] | None = None, skip
         rs = {n: r for n, r in rs.items() if n.startswith(prefix) and not any(w in n for w in skip)}
         return same_shape(rs, published[like])
 
-    parts = [what_to_run(pick(mine), gpu)] if mine and gpu else []
-    return "\n\n".join([*parts, what_to_run(pick(published), "the published H200")])
+    parts = [what_to_run(pick(mine), gpu, gpus=gpus)] if mine and gpu else []
+    return "\n\n".join([*parts, what_to_run(pick(published), "the published H200", gpus=gpus)])

@@ -44,3 +44,15 @@ def test_a_lesson_s_closing_lines_read_the_published_results_and_yours_first():
     assert yours.index("your RTX 4090's") < yours.index("the published H200's")
     assert "LoRA, batch 4: 5,000 tok/s, needs ~20.8 GB" in yours  # the same model as the published step
     assert "no published result" in cards.for_lesson("l2_", "l2_nothing")
+
+
+def test_on_several_cards_only_runs_on_that_many_gpus_count_each_card_holding_one_process():
+    rs = {r["name"]: r for r in (step("one", 13000, 60.0), {**step("ddp", 12700, 62.0), "world_size": 2},
+                                 {**step("fsdp_q", 8700, 12.0, "qlora", grad_ckpt=True), "world_size": 2},
+                                 {**step("four", 12000, 40.0), "world_size": 4})}
+    text = cards.what_to_run(rs, "an H200", gpus=2)
+    assert text.startswith("What to run on 2 cards, by the memory of each") and "tok/s per GPU, an H200's" in text
+    assert "  24 GB (RTX 4090, RTX 3090): QLoRA, batch 4, checkpointing, DDP on 2 GPUs: 8,700 tok/s" in text
+    assert "  80 GB (H100, A100 80GB): LoRA, batch 4, DDP on 2 GPUs: 12,700 tok/s" in text  # not the 1-GPU run
+    assert "13,000" not in text and "12,000" not in text
+    assert "DDP on 2 GPUs" in cards.for_lesson("l3_", "l3_lora_1gpu", skip=("p2p", "train"), gpus=2)
