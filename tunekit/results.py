@@ -88,7 +88,7 @@ def entry_point() -> str:
     # the command, with the variables that change what the code does (`BEHAVIOUR_ENV`) in front
     command = " ".join([*(f"{k}={os.environ[k]}" for k in BEHAVIOUR_ENV if k in os.environ), "tunekit",
                         *sys.argv[1:]]) if argv0 in ("tunekit", "cli.py") else None
-    if nb := os.environ.get("TUNEKIT_NOTEBOOK"):  # set by tunekit_course.notebook.execute, inherited by its children
+    if nb := os.environ.get("TUNEKIT_NOTEBOOK"):  # set by tunekit_course.pages.execute, inherited by its children
         return f"notebook {nb} (python -m tunekit_course.notebook {nb})" + (f": {command}" if command else "")
     if command:
         return command

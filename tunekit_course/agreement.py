@@ -6,7 +6,7 @@ the two cannot drift apart unseen. Two checks:
   ]CLAIM verdict: VERDICT — EVIDENCE`, and each row of a claims table it displayed) against the verdict
   `claims.judge` gives today from `notebooks/results/`, the files the README's tables are generated from;
 - figures (`figure_disagreements`): the notebook executed again in replay mode (TUNEKIT_REPLAY=1: the published
-  results read back, nothing measured, on any machine, `replay`), and every line of it that starts with a
+  results read back, nothing measured, on any machine, `pages.replay`), and every line of it that starts with a
   published result's name (a table row, a result beside another, a whole run's summary) held against the
   committed cell's lines that start with that name: each figure the code prints today from the file must be
   among the figures the committed cell printed there, as printed (rounded as the replayed line rounds it).
@@ -19,8 +19,6 @@ the two cannot drift apart unseen. Two checks:
 
 from __future__ import annotations
 
-import contextlib
-import os
 import re
 import sys
 from dataclasses import dataclass
@@ -125,35 +123,6 @@ WHERE_FROM = re.compile(r": (?:replaying the published|no published result to re
                         r".+ on another|the published result of|reusing the result of|not saved \(replay mode)")
 
 
-@contextlib.contextmanager
-def _replay_env():
-    """The environment a replaying kernel inherits: TUNEKIT_REPLAY=1, none of the switches that change what a
-    lesson runs, and Jupyter's own plotting backend (as notebooks/conftest.py starts a lesson's kernel)."""
-    saved = dict(os.environ)
-    for var in ("TUNEKIT_SMOKE", "TUNEKIT_REMEASURE", "TUNEKIT_MEMORY_GB", "MPLBACKEND"):
-        os.environ.pop(var, None)
-    os.environ["TUNEKIT_REPLAY"] = "1"
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
-def replay(path: str | Path, timeout: int = 600):
-    """The notebook at `path` executed in replay mode in its own folder, in memory (the file is not touched):
-    its cells print the published results' figures with today's code. Raises nbclient's CellExecutionError
-    naming the cell where a cell fails."""
-    import nbclient
-
-    path = Path(path)
-    nb = nbformat.read(path, as_version=4)
-    with _replay_env():
-        nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                                resources={"metadata": {"path": str(path.parent)}}).execute()
-    return nb
-
-
 def _named(line: str, names: list[str]) -> tuple[str | None, str]:
     """The published result `line` starts with (a table row's first cell counts), and the rest of the line."""
     text = line.strip().lstrip("|").strip()
@@ -213,13 +182,14 @@ def replayed_disagreements(paths: list[Path] | None = None, held: dict[str, list
     import nbclient
 
     from tunekit import results
+    from tunekit_course import pages
 
     paths = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")) if paths is None else paths
     names = list(results.by_name(NOTEBOOKS / "results"))
     out = []
     for path in paths:
         try:
-            now = replay(path)
+            now = pages.replay(path)
         except nbclient.exceptions.CellExecutionError as e:
             out.append(f"{path.name}: its replay fails: {str(e).strip().splitlines()[-1][:300]}")
             continue

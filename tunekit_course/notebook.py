@@ -21,15 +21,13 @@ Where results go, and what the notebooks read:
   results (this GPU's by default) into `notebooks/results`.
 - In smoke mode results go to `runs/smoke-results`, a scratch folder.
 
-Committed notebooks are read untrusted, in JupyterLab or on GitHub, where widgets do not render: `clean_outputs`
-turns the progress-bar widgets of `datasets`/`transformers` (tqdm) into the plain text of their final state,
-so they do not read "0%" forever.
+Executing a lesson (in place on the GPU machine, or replayed in memory) and making its outputs read correctly
+untrusted is `tunekit_course.pages`'s; `python -m tunekit_course.notebook NOTEBOOK` still executes one.
 """
 
 from __future__ import annotations
 
 import contextlib
-import html
 import json
 import os
 import re
@@ -870,99 +868,6 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if on_gpu() else 0
 
 
-def execute(path: str | Path, timeout: int = 1800) -> Path:
-    """Execute a notebook in place with nbclient (the way the committed GPU outputs are produced):
-    `python -m tunekit_course.notebook notebooks/00_quickstart.ipynb`. Written atomically, only if every cell ran."""
-    import nbclient
-    import nbformat
-    from jupyter_client.kernelspec import KernelSpecManager
-
-    from tunekit.io import atomic_write_text
-
-    path = Path(path)
-    nb = nbformat.read(path, as_version=4)
-    # The kernel inherits this: every result file the notebook writes names it as its entry point.
-    os.environ["TUNEKIT_NOTEBOOK"] = str(path.resolve().relative_to(REPO_ROOT)) if path.resolve().is_relative_to(
-        REPO_ROOT) else str(path)
-    client = nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                                     resources={"metadata": {"path": str(path.parent)}})
-    client.execute()
-    clean_outputs(nb)
-    # The kernelspec as JupyterLab records it when it opens the notebook, display name included, so opening the
-    # committed file does not mark it changed (nbclient writes language_info from the kernel itself).
-    spec = KernelSpecManager().get_kernel_spec("python3")
-    nb.metadata["kernelspec"] = {"display_name": spec.display_name, "language": spec.language, "name": "python3"}
-    atomic_write_text(path, nbformat.writes(nb) + "\n")  # the trailing newline JupyterLab's save writes too
-    return path
-
-
-WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
-WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
-TQDM_TEXT = re.compile(r"\d+%\|.*\|")  # tqdm's text form: "tokenize:   0%|          | 0/7473 [...]"
-
-
-def _progress_text(model_id: str, state: dict) -> str | None:
-    """The final text of a tqdm progress bar widget (an HBox of HTML, progress bar, HTML) from the recorded
-    widget state, as tqdm prints it in a terminal; None when `model_id` is not such a widget."""
-    box = state.get(model_id, {})
-    kids = [state.get(c.removeprefix("IPY_MODEL_"), {}) for c in box.get("state", {}).get("children", [])]
-    names = [k.get("model_name") for k in kids]
-    if box.get("model_name") != "HBoxModel" or len(names) != 3 or names[::2] != ["HTMLModel"] * 2 or \
-            names[1] not in ("FloatProgressModel", "IntProgressModel"):
-        return None
-    left, bar, right = (k["state"] for k in kids)
-    text = lambda s: html.unescape(s.get("value", "")).replace("\u2007", " ")  # tqdm pads with figure spaces
-    filled = min(10, max(0, round(10 * bar.get("value", 0) / bar["max"]))) if bar.get("max") else 0
-    return f"{text(left)}|{'█' * filled}{' ' * (10 - filled)}|{text(right)}"
-
-
-def _reachable(ids: set[str], state: dict) -> set[str]:
-    """`ids` and every widget model their states refer to (children, layout, style)."""
-    seen, todo = set(), list(ids)
-    while todo:
-        i = todo.pop()
-        if i in seen or i not in state:
-            continue
-        seen.add(i)
-        todo += re.findall(r"IPY_MODEL_(\w+)", str(state[i].get("state", {})))
-    return seen
-
-
-def clean_outputs(nb):
-    """Make a notebook's outputs read correctly untrusted (in place; returns `nb`): each progress-bar widget
-    becomes a plain-text output of its final state when the widget state is recorded in the notebook, and
-    is dropped when it is not (its text is the bar at 0%, drawn before any work); other widgets are kept,
-    and the recorded widget state is pruned to what the remaining widget outputs use."""
-    import nbformat
-
-    meta = nb.get("metadata", {})
-    state = meta.get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
-    kept = set()
-    for cell in nb.get("cells", []):
-        if cell.get("cell_type") != "code":
-            continue
-        outputs = []
-        for out in cell.get("outputs", []):
-            view = out.get("data", {}).get(WIDGET_VIEW)
-            if view is None:
-                outputs.append(out)
-                continue
-            final = _progress_text(view.get("model_id", ""), state)
-            if final is not None:
-                outputs.append(nbformat.v4.new_output("display_data", data={"text/plain": final}))
-            elif not TQDM_TEXT.search("".join(out["data"].get("text/plain", ""))):
-                outputs.append(out)
-                kept.add(view.get("model_id", ""))
-        cell["outputs"] = outputs
-    if "widgets" in meta:
-        keep = _reachable(kept, state)
-        if keep:
-            meta["widgets"][WIDGET_STATE]["state"] = {i: m for i, m in state.items() if i in keep}
-        else:
-            del meta["widgets"]
-    return nb
-
-
 def main(argv: list[str]) -> int:
     # python -m tunekit_course.notebook NOTEBOOK...        execute notebooks in place
     # python -m tunekit_course.notebook --measure 4 GPUS   lesson 4's plan on GPUS GPUs at once (the notebook then reads it)
@@ -996,8 +901,10 @@ def main(argv: list[str]) -> int:
             wanted.remove(section)
         measure_in_parallel([item for s in wanted for item in plan[s]], int(argv[2]))
     else:
+        from tunekit_course import pages
+
         for arg in argv:
-            print(f"executed {execute(arg)}")
+            print(f"executed {pages.execute(arg)}")
         return 0
     print(f"results -> {shown(results_dir())} (publish them with: python -m tunekit_course.notebook --publish)")
     return 0

@@ -14,14 +14,19 @@ def step(name: str, tps: float, gb: float, batch: int = 4) -> dict:
             "config": {"batch_size": batch}}
 
 
-def _notebook(path, *outputs: str) -> None:
+def _cells(*outputs: str):
+    """A lesson whose code cells printed `outputs`, one a cell, after a markdown cell."""
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_markdown_cell("# a lesson")]
     for text in outputs:
         cell = nbformat.v4.new_code_cell("print(...)")
         cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=text)]
         nb.cells.append(cell)
-    nbformat.write(nb, path)
+    return nb
+
+
+def _notebook(path, *outputs: str) -> None:
+    nbformat.write(_cells(*outputs), path)
 
 
 def test_printed_verdicts_are_found_in_every_form_a_lesson_shows_them(tmp_path):
@@ -72,16 +77,6 @@ def test_the_committed_notebooks_show_the_published_verdicts():
                                                      if line.split(",")[0] not in AWAITING_RE_EXECUTION)
     # a lesson re-executed since agrees: take it off the list, so that it stays agreeing
     assert where == AWAITING_RE_EXECUTION, f"these agree now, take them off the list: {AWAITING_RE_EXECUTION - where}"
-
-
-def _cells(*outputs: str):
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_markdown_cell("# a lesson")]
-    for text in outputs:
-        cell = nbformat.v4.new_code_cell("print(...)")
-        cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=text)]
-        nb.cells.append(cell)
-    return nb
 
 
 def test_a_figure_the_code_prints_today_must_be_the_one_the_committed_cell_shows():

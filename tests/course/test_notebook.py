@@ -15,7 +15,7 @@ import torch
 from tunekit import cli, config
 from tunekit.config import REPO_ROOT
 from tunekit.presets import get_preset, resolve, tiny
-from tunekit_course import notebook
+from tunekit_course import notebook, pages
 
 NOTEBOOKS = sorted((REPO_ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 # a lesson rewritten ahead of the GPU execution that will put it in notebooks/ (its committed outputs must come
@@ -120,7 +120,7 @@ def test_clean_outputs_turns_a_progress_bar_into_its_final_text():
     nb.cells = [nbformat.v4.new_markdown_cell("# title"), nbformat.v4.new_code_cell("work()", outputs=[
         _view("aa", "tokenize:   0%|          | 0/7473 [00:00<?, ? examples/s]"), stdout,
         _view("bb", "Loading:   0%|          | 0/2 [00:00<?, ?it/s]"), _view("cc", "IntSlider(value=0)")])]
-    assert notebook.clean_outputs(nb) is nb
+    assert pages.clean_outputs(nb) is nb
     outs = nb.cells[1].outputs
     assert [o.get("data", {}).get("text/plain") for o in outs] == [
         "tokenize: 100%|██████████| 7473/7473 [00:01<00:00, 5436.05 examples/s]", None,
@@ -129,7 +129,7 @@ def test_clean_outputs_turns_a_progress_bar_into_its_final_text():
     # only what the slider still shows is kept of the recorded widget state
     assert set(nb.metadata.widgets["application/vnd.jupyter.widget-state+json"]["state"]) == {"cc", "cy"}
     nbformat.validate(nb)
-    assert nbformat.writes(notebook.clean_outputs(nb)) == nbformat.writes(nb)  # a second pass changes nothing
+    assert nbformat.writes(pages.clean_outputs(nb)) == nbformat.writes(nb)  # a second pass changes nothing
 
 
 def test_clean_outputs_drops_a_stuck_bar_whose_state_was_not_recorded():
@@ -137,7 +137,7 @@ def test_clean_outputs_drops_a_stuck_bar_whose_state_was_not_recorded():
     nb.cells = [nbformat.v4.new_code_cell("work()", outputs=[
         _view("aa", "Writing model shards:   0%|          | 0/1 [00:00<?, ?it/s]"),
         nbformat.v4.new_output("stream", name="stdout", text="done\n")])]
-    notebook.clean_outputs(nb)
+    pages.clean_outputs(nb)
     assert [o.output_type for o in nb.cells[0].outputs] == ["stream"] and "widgets" not in nb.metadata
 
 
@@ -147,7 +147,7 @@ def test_committed_notebooks_read_correctly_untrusted_and_open_clean(path):
     nb = nbformat.reads(text, as_version=4)
     views = [o for c in nb.cells for o in c.get("outputs", []) if "application/vnd.jupyter.widget-view+json"
              in o.get("data", {})]
-    assert not views and "widgets" not in nb.metadata, f"{path.name}: run notebook.clean_outputs on it"
+    assert not views and "widgets" not in nb.metadata, f"{path.name}: run pages.clean_outputs on it"
     assert " 0%|" not in text, f"{path.name}: a progress bar stuck at 0% is committed"
     # JupyterLab writes the kernelspec it starts into the notebook: the same one keeps the tab unchanged.
     assert nb.metadata.kernelspec == {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
@@ -197,7 +197,7 @@ def test_execute_writes_plain_text_progress_and_the_kernelspec(tmp_path, monkeyp
     nb.cells = [nbformat.v4.new_code_cell("from tqdm.auto import tqdm\nfor _ in tqdm(range(3), desc='work'):\n"
                                           "    pass\nprint('done')")]
     path.write_text(nbformat.writes(nb))
-    notebook.execute(path, timeout=120)
+    pages.execute(path, timeout=120)
     text = path.read_text()
     done = nbformat.reads(text, as_version=4)
     outs = done.cells[0].outputs
