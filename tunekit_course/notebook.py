@@ -444,6 +444,38 @@ def torchrun(nproc: int, *args: str, env: dict | None = None, check: bool = True
     return code
 
 
+def _remeasure() -> bool:
+    return os.environ.get("TUNEKIT_REMEASURE", "") not in ("", "0")
+
+
+def yours(name: str) -> dict | None:
+    """Your earlier result NAME on this GPU (in `results_dir()`), read back with the line that says so
+    (`read_back`), where a lesson would otherwise measure it again; None off a GPU, where there is none, or
+    with TUNEKIT_REMEASURE=1."""
+    path = results_dir() / f"{name}.json"
+    if not on_gpu() or _remeasure() or not path.exists():
+        return None
+    r = json.loads(path.read_text())
+    print(read_back(name, r))
+    return r
+
+
+def bench_here(configs: dict, memory_gb: float = 0.0) -> dict[str, dict]:
+    """Each named config's step benched in this kernel (`bench.run_many`) into `results_dir()`, as `measure`
+    does for a command: in replay mode the published results of these names; on a GPU your earlier result
+    of a name read back (`yours`); the rest measured, capped at `memory_gb` where given. {name: result}; a
+    config that ran out of memory is {"name", "error"}."""
+    from tunekit import bench
+
+    if replay_mode():
+        return {n: r for n in configs if (r := published(n))}
+    found = {n: r for n in configs if (r := yours(n))}
+    rest = {n: c for n, c in configs.items() if n not in found}
+    ran = bench.run_many(rest, results_dir(), reuse=not _remeasure(), memory_gb=memory_gb, verbose=False) \
+        if rest else {}
+    return {n: found[n] if n in found else ran[n] for n in configs}
+
+
 def measure(name: str, nproc: int, *args, env: dict | None = None) -> None:
     """Measure `tunekit ARGS... --name NAME --out <results_dir()>` here, on `nproc` processes (1: a plain child
     process), its config fitted to this GPU first (`fit_here`). On a GPU your own earlier result NAME in this
@@ -455,11 +487,9 @@ def measure(name: str, nproc: int, *args, env: dict | None = None) -> None:
         print(f"{name}: replaying the published {_where(r)} result of {_when(r)} (not measured here)" if r else
               f"{name}: no published result to replay")
         return
-    out = results_dir()
-    path = out / f"{name}.json"
-    if on_gpu() and path.exists() and os.environ.get("TUNEKIT_REMEASURE", "") in ("", "0"):
-        print(read_back(name, json.loads(path.read_text())))
+    if yours(name):
         return
+    out = results_dir()
     # From the checkout, with the folder named inside it: what the command prints is no path of this machine
     rel = out.relative_to(REPO_ROOT) if out.is_relative_to(REPO_ROOT) else out
     args = (*fit_here(list(args), nproc), "--name", name, "--out", rel)

@@ -566,3 +566,28 @@ def test_a_draft_lesson_runs_in_the_folder_it_will_live_in(path, mode, monkeypat
                             resources={"metadata": {"path": str(REPO_ROOT / "notebooks")}}).execute()
     errors = [o for cell in nb.cells for o in cell.get("outputs", []) if o.get("name") == "stderr"]
     assert not errors, errors
+
+
+def test_lesson_2_s_steps_read_your_earlier_results_back_and_measure_the_rest(fake_gpu, monkeypatch, capsys):
+    from tunekit import bench
+
+    fake_gpu.mkdir(parents=True)
+    earlier = {"name": "l2_a", "gpu": FAKE, "world_size": 1, "tokens_per_s": 1.0, "peak_memory_gb": 1.0,
+               "date": "2026-12-01T09:00:00+00:00"}
+    (fake_gpu / "l2_a.json").write_text(json.dumps(earlier))
+    asked = []
+
+    def run_many(configs, out, reuse=True, memory_gb=0.0, verbose=True):
+        asked.append((sorted(configs), reuse, memory_gb))
+        return {n: {"name": n, "tokens_per_s": 2.0} for n in configs}
+
+    monkeypatch.setattr(bench, "run_many", run_many)
+    rs = notebook.bench_here({"l2_a": "cfg a", "l2_b": "cfg b"}, memory_gb=23.0)
+    assert rs["l2_a"] == earlier and rs["l2_b"]["tokens_per_s"] == 2.0 and asked == [(["l2_b"], True, 23.0)]
+    assert "l2_a: your measurement of 2026-12-01 09:00 UTC on this GPU" in capsys.readouterr().out
+    monkeypatch.setenv("TUNEKIT_REMEASURE", "1")  # both measured again, none reused
+    notebook.bench_here({"l2_a": "cfg a", "l2_b": "cfg b"})
+    assert asked[-1] == (["l2_a", "l2_b"], False, 0.0) and notebook.yours("l2_a") is None
+    monkeypatch.delenv("TUNEKIT_REMEASURE")
+    monkeypatch.setenv("TUNEKIT_REPLAY", "1")  # the published results; nothing runs
+    assert notebook.bench_here({"l2_lora_b4": "cfg"})["l2_lora_b4"]["gpu"] == "NVIDIA H200" and len(asked) == 2
