@@ -114,15 +114,15 @@ def _doctor(args, cfg, rest) -> int:
 
 def _results(args, cfg, rest) -> int:
     from tunekit import results
-    from tunekit_course import RESULTS, claims
+    from tunekit_course import RESULTS, claims, readme
 
     rs = results.by_name(*(args.paths or [RESULTS]))
     if args.update_readme:
-        print("README.md " + ("updated" if claims.update_readme() else "already up to date"))
+        print("README.md " + ("updated" if readme.update_readme() else "already up to date"))
     elif args.claims:
         print(claims.claims_table(rs))
     else:
-        print(results.format_table(sorted(claims.step_results(rs), key=lambda r: r["name"])))
+        print(results.format_table(sorted(readme.step_results(rs), key=lambda r: r["name"])))
     return 0
 
 

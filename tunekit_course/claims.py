@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tunekit.config import REPO_ROOT
-from tunekit.results import by_name, compare, format_table, noise_band
-from tunekit_course import RESULTS
+from tunekit.results import compare, noise_band
 
 CITED = REPO_ROOT / "notebooks" / "cited.json"
 
@@ -987,89 +986,8 @@ def _source_name(source: str) -> str:
     return "the course's reference measurements on the H200" if first.startswith("../") else first
 
 
-# ---- the README ------------------------------------------------------------------------------------------------
-
-
-def step_results(rs: dict[str, dict]) -> list[dict]:
-    return [r for r in rs.values() if "step_time_s" in r]
-
-
 # lesson 5's whole runs in the table's order (tunekit_course/fullrun.py's `lesson5_runs`): the recipe in a few words
 WHOLE_RUNS = {"l5_article_before": "the article's before",
               "l5_article_checklist": "the article's checklist, as written",
               "l5_tunekit": "tunekit's recipe",
               "l5_tunekit_24gb": "tunekit's recipe, fitted to a 24 GB card (speeds are the H200's)"}
-
-
-def whole_runs_table(rs: dict[str, dict]) -> str:
-    """Lesson 5's whole runs, each measured from start to end and never projected: the four of `WHOLE_RUNS` in
-    order ("unmeasured" where there is no result yet), then any run stopped before its end (`l5_..._stopped`,
-    `"whole": false`), which counts no wall-clock. Per run: its epochs, wall-clock (its segments summed), steady
-    real tokens/s with the 10th-90th percentile of its logged rows, peak memory, the held-out loss after each
-    epoch, and the commit that ran it; under the table, the baselines that say what a held-out loss is worth."""
-    names = [*WHOLE_RUNS, *sorted(n for n in rs if n.startswith("l5_") and n.endswith("_stopped"))]
-    head = ("| name | recipe | epochs | wall-clock, min | steady real tok/s (p10–p90) | peak GB | "
-            "held-out loss after each epoch | commit |")
-    rows = [head, "|---|---|---|---|---|---|---|---|"]
-    for name in names:
-        base = name.removesuffix("_stopped")
-        label = WHOLE_RUNS.get(base, base)
-        if (r := rs.get(name)) is None:
-            rows.append(f"| {name} | {label} | | unmeasured | | | | |")
-            continue
-        epochs = (r.get("config") or {}).get("epochs")
-        whole = r.get("whole", True)
-        if whole:
-            segs = len(r.get("segments") or [])
-            wall = f"{r['wall_s'] / 60:.1f}" + (f" ({segs} segments)" if segs > 1 else "")
-            epochs_cell = f"{epochs:g}" if epochs else "-"
-        else:  # its wall-clock is of no whole run: left out, as is any projection of it
-            label += f": stopped at step {r['steps']}, not a whole run (why: its result file's `data`)"
-            wall = "-"
-            epochs_cell = f"{r['epochs_seen']:.2f} of {epochs:g}" if epochs and r.get("epochs_seen") else "-"
-        spread = r.get("tok_per_s_p10_p90")
-        tps = f"{r['tokens_per_s']:,.0f}" + (f" ({spread[0]:,.0f}–{spread[1]:,.0f})" if spread else "")
-        losses = ", ".join(f"{loss:.2f}" for _, loss in r.get("eval_losses") or []) or "-"
-        rows.append(f"| {name} | {label} | {epochs_cell} | {wall} | {tps} | {r['peak_memory_gb']:.1f} | {losses} | "
-                    f"{(r.get('commit') or '-')[:7]} |")
-    base = next((rs[n]["baselines"] for n in names if n in rs and rs[n].get("baselines")), None)
-    if base:
-        rows.append(f"\nHeld-out baselines on the same GSM8K test tokens: uniform {base['uniform']:.2f}, unigram "
-                    f"{base['unigram']:.2f}, bigram {base['bigram']:.2f} (cross-entropy, nats a token).")
-    return "\n".join(rows)
-
-
-def headline(rs: dict[str, dict]) -> str:
-    """The article's headline claim (C16) as lesson 5 measured it, for the top of the README."""
-    v = judge("C16", rs)
-    where = f" ({machine_of(rs, v.files)}, `notebooks/05_full_7b_run.ipynb`)" if v.files else ""
-    return f"**The article's headline, 14 days -> 3 (C16): {v.verdict}**{where}. {v.evidence[0].upper()}{v.evidence[1:]}."
-
-
-def render_readme(text: str, rs: dict[str, dict]) -> str:
-    """`text` with every generated block (`<!-- NAME:start -->` ... `<!-- NAME:end -->`) rendered anew."""
-    from tunekit import families
-    from tunekit_course.trl_race import trl_table
-
-    blocks = {"headline": headline(rs), "results": format_table(sorted(step_results(rs), key=lambda r: r["name"])),
-              "epochs": whole_runs_table(rs),
-              "claims": claims_table(rs, targets=False), "targets": targets_table(rs),
-              "reference": reference_table(rs), "speedpush": speed_table(rs),
-              "trl": trl_table(rs), "families": families.table()}
-    for name, body in blocks.items():
-        pattern = re.compile(rf"(<!-- {name}:start -->\n)(?:.*?\n)?(<!-- {name}:end -->)", re.DOTALL)
-        if not pattern.search(text):
-            raise ValueError(f"README has no <!-- {name}:start --> ... <!-- {name}:end --> block")
-        text = pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)
-    return text
-
-
-def update_readme(path: Path = REPO_ROOT / "README.md", results_dir: Path = RESULTS) -> bool:
-    """Rewrite the README's generated blocks from the result files; True if anything changed."""
-    from tunekit.io import atomic_write_text
-
-    old = Path(path).read_text()
-    new = render_readme(old, by_name(results_dir))
-    if new != old:
-        atomic_write_text(path, new)
-    return new != old

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tunekit_course import claims
+from tunekit_course import claims, readme
 
 
 def step(name: str, tps: float, gb: float, batch: int = 4, spread: float = 0.0, **extra) -> dict:
@@ -124,7 +124,7 @@ def test_render_readme_replaces_blocks_and_needs_them():
            "<!-- targets:start -->\n<!-- targets:end -->\n" \
            "<!-- reference:start -->\n<!-- reference:end -->\n<!-- speedpush:start -->\n<!-- speedpush:end -->\n" \
            "<!-- trl:start -->\n<!-- trl:end -->\n<!-- families:start -->\n<!-- families:end -->\nz\n"
-    out = claims.render_readme(text, {})
+    out = readme.render_readme(text, {})
     assert "OLD-BLOCK" not in out and "| # | the article says |" in out and "14 days -> 3 (C16): unmeasured" in out
     # the article's claims and tunekit's own targets, each in a table of its own
     claims_block = out.split("<!-- claims:start -->")[1].split("<!-- claims:end -->")[0]
@@ -133,9 +133,9 @@ def test_render_readme_replaces_blocks_and_needs_them():
     assert "| speed push | one H200: LoRA bf16 >= 21,000 tok/s" in targets_block and "| C16 |" not in targets_block
     assert "| Qwen2 / 2.5 (`Qwen/Qwen2.5-7B`) | a bias on q/k/v | ✓ |" in out  # families.table()
     assert out.startswith("a\n") and out.endswith("z\n")
-    assert claims.render_readme(out, {}) == out
+    assert readme.render_readme(out, {}) == out
     with pytest.raises(ValueError, match="headline:start"):
-        claims.render_readme("no blocks", {})
+        readme.render_readme("no blocks", {})
 
 
 def _compare(name, method, ckpt, stacks):
@@ -254,7 +254,7 @@ def test_whole_runs_table_shows_measured_runs_never_projects_and_marks_stopped_o
                             baselines={"uniform": 10.114, "unigram": 6.112, "bigram": 4.482}),
           "l5_article_before_stopped": run("l5_article_before_stopped", 508, 2192, [], 1.0, whole=False, steps=119,
                                            epochs_seen=0.8917)}
-    lines = claims.whole_runs_table(rs).splitlines()
+    lines = readme.whole_runs_table(rs).splitlines()
     assert [line.split(" | ")[0] for line in lines[2:7]] == [f"| {n}" for n in (*claims.WHOLE_RUNS,
                                                                                 "l5_article_before_stopped")]
     assert list(claims.WHOLE_RUNS) == [name for name, _, _ in fullrun.lesson5_runs(True)]
@@ -267,8 +267,8 @@ def test_whole_runs_table_shows_measured_runs_never_projects_and_marks_stopped_o
     assert stopped[2:5] == ["0.89 of 1", "-", "2,192 (2,092–2,292)"] and stopped[6] == "-"  # no wall-clock, no loss
     assert lines[-1].startswith("Held-out baselines on the same GSM8K test tokens: uniform 10.11, unigram 6.11, "
                                 "bigram 4.48")
-    assert "projected" not in claims.whole_runs_table(rs)
-    assert all("unmeasured" in line for line in claims.whole_runs_table({}).splitlines()[2:])
+    assert "projected" not in readme.whole_runs_table(rs)
+    assert all("unmeasured" in line for line in readme.whole_runs_table({}).splitlines()[2:])
 
 
 def test_scaling_reports_each_count_and_judges_eight_gpus():

@@ -7,7 +7,7 @@ import sys
 
 from tunekit.config import REPO_ROOT
 from tunekit.results import by_name
-from tunekit_course import RESULTS, claims
+from tunekit_course import RESULTS, claims, readme
 
 README = (REPO_ROOT / "README.md").read_text()
 
@@ -46,7 +46,7 @@ def test_readme_library_example_runs(tmp_path, monkeypatch):
 
 def test_generated_tables_match_the_result_files():
     """The results, reference and claims tables are rendered from notebooks/results and notebooks/cited.json."""
-    assert README == claims.render_readme(README, by_name(RESULTS)), (
+    assert README == readme.render_readme(README, by_name(RESULTS)), (
         "README's generated tables are stale: run `tunekit results --update-readme`")
 
 
