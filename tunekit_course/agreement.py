@@ -187,12 +187,12 @@ def replayed_disagreements(paths: list[Path] | None = None, held: dict[str, list
     paths = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")) if paths is None else paths
     names = list(results.by_name(NOTEBOOKS / "results"))
     out = []
-    for path in paths:
-        try:
-            now = pages.replay(path)
-        except nbclient.exceptions.CellExecutionError as e:
-            out.append(f"{path.name}: its replay fails: {str(e).strip().splitlines()[-1][:300]}")
+    for path, now in pages.replay_all(paths).items():
+        if isinstance(now, nbclient.exceptions.CellExecutionError):
+            out.append(f"{path.name}: its replay fails: {str(now).strip().splitlines()[-1][:300]}")
             continue
+        if isinstance(now, Exception):
+            raise now
         lines = [] if held is None else held.setdefault(path.name, [])
         out += figure_disagreements(nbformat.read(path, as_version=4), now, names, path.name, lines)
     return out

@@ -124,15 +124,33 @@ def _replay_env():
         os.environ.update(saved)
 
 
+def _replayed(path: Path, timeout: int):
+    import nbclient
+
+    nb = nbformat.read(path, as_version=4)
+    nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent)}}).execute()
+    return nb
+
+
 def replay(path: str | Path, timeout: int = 600):
     """The notebook at `path` executed in replay mode in its own folder, in memory (the file is not touched):
     its cells print the published results' figures with today's code. Raises nbclient's CellExecutionError
     naming the cell where a cell fails."""
-    import nbclient
-
-    path = Path(path)
-    nb = nbformat.read(path, as_version=4)
     with _replay_env():
-        nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                                resources={"metadata": {"path": str(path.parent)}}).execute()
-    return nb
+        return _replayed(Path(path), timeout)
+
+
+def replay_all(paths: list[Path], timeout: int = 600, kernels: int = 2) -> dict[Path, object]:
+    """`replay` of each of `paths`, `kernels` at a time (each its own kernel process): {path: the executed
+    notebook, or the exception its replay raised}."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(path: Path):
+        try:
+            return _replayed(Path(path), timeout)
+        except Exception as e:  # noqa: BLE001 - handed back to the caller, whose report names the lesson
+            return e
+
+    with _replay_env(), ThreadPoolExecutor(kernels) as pool:
+        return dict(zip(paths, pool.map(one, paths)))

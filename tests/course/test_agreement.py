@@ -129,3 +129,23 @@ def test_every_lesson_replays_and_shows_the_figures_its_code_prints_from_the_pub
         line for line in found if line.split(",")[0].split(":")[0] not in FIGURES_AWAITING_RE_EXECUTION)
     assert where == FIGURES_AWAITING_RE_EXECUTION, \
         f"these agree now, take them off the list: {FIGURES_AWAITING_RE_EXECUTION - where}"
+
+
+def test_replays_run_side_by_side_each_in_replay_mode_and_a_failing_one_is_handed_back(tmp_path, monkeypatch):
+    import os
+
+    import nbclient
+
+    from tunekit_course import pages
+
+    monkeypatch.setenv("TUNEKIT_SMOKE", "1")  # a switch a replay must not inherit
+    good, bad = tmp_path / "good.ipynb", tmp_path / "bad.ipynb"
+    for path, code in ((good, "import os; print(os.environ.get('TUNEKIT_REPLAY'), os.environ.get('TUNEKIT_SMOKE'))"),
+                       (bad, "raise ValueError('boom')")):
+        nb = nbformat.v4.new_notebook()
+        nb.cells = [nbformat.v4.new_code_cell(code)]
+        nbformat.write(nb, path)
+    done = pages.replay_all([good, bad])
+    assert done[good].cells[0].outputs[0]["text"] == "1 None\n"
+    assert isinstance(done[bad], nbclient.exceptions.CellExecutionError) and "boom" in str(done[bad])
+    assert "TUNEKIT_REPLAY" not in os.environ and os.environ["TUNEKIT_SMOKE"] == "1"  # put back as it was
