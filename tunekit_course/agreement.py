@@ -6,7 +6,7 @@ the two cannot drift apart unseen. Two checks:
   ]CLAIM verdict: VERDICT — EVIDENCE`, and each row of a claims table it displayed) against the verdict
   `claims.judge` gives today from `notebooks/results/`, the files the README's tables are generated from;
 - figures (`figure_disagreements`): the notebook executed again in replay mode (TUNEKIT_REPLAY=1: the published
-  results read back, nothing measured, on any machine, `pages.replay`), and every line of it that starts with a
+  results read back, nothing measured, on any machine, `pages.replay_all`), and every line of it that starts with a
   published result's name (a table row, a result beside another, a whole run's summary) held against the
   committed cell's lines that start with that name: each figure the code prints today from the file must be
   among the figures the committed cell printed there, as printed (rounded as the replayed line rounds it).

@@ -260,10 +260,9 @@ def result_path(name: str) -> Path:
 def measured(name: str) -> bool:
     """Whether the whole run NAME has a result on this GPU already (`result_path`): it is read back, not run
     again, unless TUNEKIT_REMEASURE=1 (as `notebook.measure` does)."""
-    import os
+    from tunekit_course import notebook
 
-    again = os.environ.get("TUNEKIT_REMEASURE", "") not in ("", "0")
-    return not again and result_path(name).exists()
+    return not notebook.remeasure() and result_path(name).exists()
 
 
 def prepare() -> None:

@@ -444,7 +444,8 @@ def torchrun(nproc: int, *args: str, env: dict | None = None, check: bool = True
     return code
 
 
-def _remeasure() -> bool:
+def remeasure() -> bool:
+    """True when TUNEKIT_REMEASURE=1: a result of yours on this GPU is measured again, not read back."""
     return os.environ.get("TUNEKIT_REMEASURE", "") not in ("", "0")
 
 
@@ -453,7 +454,7 @@ def yours(name: str) -> dict | None:
     (`read_back`), where a lesson would otherwise measure it again; None off a GPU, where there is none, or
     with TUNEKIT_REMEASURE=1."""
     path = results_dir() / f"{name}.json"
-    if not on_gpu() or _remeasure() or not path.exists():
+    if not on_gpu() or remeasure() or not path.exists():
         return None
     r = json.loads(path.read_text())
     print(read_back(name, r))
@@ -471,7 +472,7 @@ def bench_here(configs: dict, memory_gb: float = 0.0) -> dict[str, dict]:
         return {n: r for n in configs if (r := published(n))}
     found = {n: r for n in configs if (r := yours(n))}
     rest = {n: c for n, c in configs.items() if n not in found}
-    ran = bench.run_many(rest, results_dir(), reuse=not _remeasure(), memory_gb=memory_gb, verbose=False) \
+    ran = bench.run_many(rest, results_dir(), reuse=not remeasure(), memory_gb=memory_gb, verbose=False) \
         if rest else {}
     return {n: found[n] if n in found else ran[n] for n in configs}
 
@@ -847,9 +848,6 @@ LESSON4_SPEEDUPS = [
     ("FP8 matmuls (torchao)", "l4_lora_fp8", "l4_lora_eager", None),
     ("FP8 matmuls and regional compile", "l4_lora_fp8_regional", "l4_lora_eager", None),
 ]
-
-
-# ---- lesson 5: its whole runs, and what they prepare, are tunekit_course/fullrun.py's --------------------------
 
 
 # ---- scaling from 1 to 8 GPUs ------------------------------------------------------------------------

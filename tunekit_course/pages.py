@@ -1,5 +1,5 @@
 """A lesson's page: a notebook executed, in place on the GPU machine (`execute`, how the committed outputs are
-made: `python -m tunekit_course.notebook notebooks/NAME.ipynb`) or in memory in replay mode (`replay`, the
+made: `python -m tunekit_course.notebook notebooks/NAME.ipynb`) or in memory in replay mode (`replay_all`, the
 published results read back on any machine, for `tunekit_course.agreement`), and its outputs made to read
 correctly untrusted. Committed notebooks are read in JupyterLab or on GitHub, where widgets do not render:
 `clean_outputs` turns the progress-bar widgets of `datasets`/`transformers` (tqdm) into the plain text of their
@@ -124,31 +124,21 @@ def _replay_env():
         os.environ.update(saved)
 
 
-def _replayed(path: Path, timeout: int):
-    import nbclient
-
-    nb = nbformat.read(path, as_version=4)
-    nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                            resources={"metadata": {"path": str(path.parent)}}).execute()
-    return nb
-
-
-def replay(path: str | Path, timeout: int = 600):
-    """The notebook at `path` executed in replay mode in its own folder, in memory (the file is not touched):
-    its cells print the published results' figures with today's code. Raises nbclient's CellExecutionError
-    naming the cell where a cell fails."""
-    with _replay_env():
-        return _replayed(Path(path), timeout)
-
-
 def replay_all(paths: list[Path], timeout: int = 600, kernels: int = 2) -> dict[Path, object]:
-    """`replay` of each of `paths`, `kernels` at a time (each its own kernel process): {path: the executed
-    notebook, or the exception its replay raised}."""
+    """Each notebook of `paths` executed in replay mode in its own folder, in memory (the files are not touched),
+    `kernels` at a time, each in a kernel of its own: its cells print the published results' figures with
+    today's code. {path: the executed notebook, or the exception its replay raised (nbclient's
+    CellExecutionError names the cell)}."""
     from concurrent.futures import ThreadPoolExecutor
+
+    import nbclient
 
     def one(path: Path):
         try:
-            return _replayed(Path(path), timeout)
+            nb = nbformat.read(path, as_version=4)
+            nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                                    resources={"metadata": {"path": str(Path(path).parent)}}).execute()
+            return nb
         except Exception as e:  # noqa: BLE001 - handed back to the caller, whose report names the lesson
             return e
 
