@@ -45,7 +45,7 @@ WATERFALL = [
     ("+ the chunked loss", {"loss": "chunked"}),
     ("no fp32 cast of the adapters' input", {"lora_input_cast": False}),
     ("fused AdamW instead of 8-bit", {"optimizer": "adamw"}),
-    ("tunekit's attention choice (cuDNN first on Hopper)", {"attention": "auto", "sdpa_backend": "auto"}),
+    ("tunekit's attention choice (FlexAttention for packed rows)", {"attention": "auto", "sdpa_backend": "auto"}),
     ("+ the fused LoRA", {"fast_lora": True}),
     ("+ FP8 base weights: tunekit's recipe", {"fp8": True}),
 ]
