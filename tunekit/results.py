@@ -59,7 +59,8 @@ def code_hash(root: Path = LIBRARY, code_files: tuple[str, ...] | list[str] = ()
 
 def _git(*args: str) -> str | None:
     try:
-        out = subprocess.run(["git", "-C", str(CHECKOUT), *args], capture_output=True, text=True, timeout=10)
+        out = subprocess.run(["git", "-C", str(CHECKOUT), *args], check=False, capture_output=True, text=True,
+                             timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
@@ -115,6 +116,18 @@ def gpu_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.processor() or 'unknown'})"
 
 
+def gpu_uuid() -> str | None:
+    """The physical GPU this process measures on (its UUID), None without CUDA: two machines of the same GPU model
+    differ by more than many changes do (18% seen between two H200 machines), so results are compared as the
+    same machine's only where their UUIDs say so."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None)
+    return str(uuid) if uuid is not None else None
+
+
 def versions() -> dict:
     import importlib.metadata as md
 
@@ -141,7 +154,7 @@ def new_result(name: str, cfg: TuneConfig | None, tokens_per_s: float | None, pe
         "world_size": world_size or distributed.world_size(),
         "tokens_per_s": tokens_per_s, "peak_memory_gb": peak_memory_gb,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        **provenance(call, code_files), **fields,
+        "gpu_uuid": gpu_uuid(), **provenance(call, code_files), **fields,
         "config": config_dict(cfg) if cfg else None, "versions": versions(),
     }
 

@@ -204,9 +204,12 @@ def read_back(name: str, r: dict) -> str:
     model differ by up to ~20%: its figures are that machine's, not this one's)."""
     from tunekit_course.runlog import gpu_uuid
 
-    there = r.get("gpu_uuid")  # None in a result from before GPUs were recorded: then taken as this GPU's
+    there, here = r.get("gpu_uuid"), gpu_uuid()  # None: no GPU (a CPU run), or a result from before GPUs were recorded
     again = "; TUNEKIT_REMEASURE=1 measures again"
-    if there and (here := gpu_uuid()) and here != there:
+    if there is None and here is not None:  # which GPU measured it is not known
+        return (f"{name}: measured {_when(r)} on {_where(r)}, read from your results folder (which machine was not "
+                f"recorded: this one, or another whose result was copied in){again}")
+    if there and here and here != there:
         return (f"{name}: measured {_when(r)} on another {_where(r)} machine and copied into your results folder "
                 f"(its figures are that machine's, not this GPU's){again}")
     return f"{name}: your measurement of {_when(r)} on this GPU ({_where(r)}){again}"

@@ -10,6 +10,7 @@ import itertools
 import json
 from pathlib import Path
 
+from tunekit.results import gpu_uuid  # noqa: F401  (the course's modules read it from here; tests replace it)
 from tunekit.stopping import read_metrics_file
 
 
@@ -93,18 +94,6 @@ def derived_fields(rows: list[dict], segs: list[dict]) -> dict:
     return {"tokens_per_s": round(steady_tokens_per_s(rows, firsts), 1),
             "tok_per_s_p10_p90": list(p10_p90(per)) if per else None,
             "curve": [[r["step"], round(r["loss"], 4), r["tok_per_s"], r["elapsed_s"]] for r in rows]}
-
-
-def gpu_uuid() -> str | None:
-    """The physical GPU this process measures on (its UUID), None without CUDA: two machines of the same GPU model
-    differ by more than many changes do (18% seen between two H200 machines), so results are compared as the
-    same machine's only where their UUIDs say so."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None)
-    return str(uuid) if uuid is not None else None
 
 
 def elapsed_minutes(r: dict) -> list[float]:

@@ -278,6 +278,7 @@ def fake_gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: FAKE)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: types.SimpleNamespace(total_memory=24 * 10**9))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # its properties have no UUID: not recorded
     monkeypatch.setattr(notebook, "RUNS", tmp_path / "runs")
     return tmp_path / "runs" / "results" / "nvidia-fakegpu-24gb"
 
@@ -318,6 +319,13 @@ def test_a_result_copied_in_from_another_machine_says_so(monkeypatch):
         "figures are that machine's, not this GPU's); TUNEKIT_REMEASURE=1 measures again")
     monkeypatch.setattr(runlog, "gpu_uuid", lambda: "aaa")
     assert notebook.read_back("l5_x", r).startswith("l5_x: your measurement of 2026-12-04 10:00 UTC on this GPU (H200)")
+    # on a GPU, a result from before machines were recorded is not claimed for this GPU (nor for another)
+    unknown = notebook.read_back("l5_x", {**r, "gpu_uuid": None})
+    assert unknown.startswith("l5_x: measured 2026-12-04 10:00 UTC on H200, read from your results folder (which "
+                              "machine was not recorded: this one, or another whose result was copied in)")
+    assert "your measurement" not in unknown and "this GPU" not in unknown
+    monkeypatch.setattr(runlog, "gpu_uuid", lambda: None)  # no GPU here: a CPU run's result is this machine's
+    assert notebook.read_back("l5_x", {**r, "gpu_uuid": None, "gpu": "cpu"}).startswith("l5_x: your measurement of")
 
 
 def test_measure_measures_this_gpu_even_where_a_published_result_exists(fake_gpu, fake_runs, capsys, monkeypatch):

@@ -39,6 +39,11 @@ def test_new_result_header(monkeypatch):
     if head.returncode == 0:
         assert r["commit"] == head.stdout.strip() and isinstance(r["dirty"], bool)
     json.dumps(r)
+    # which physical GPU measured it, so a result read back elsewhere can say whether it is this GPU's
+    assert r["gpu_uuid"] is None  # no CUDA here
+    monkeypatch.setattr(results, "gpu_uuid", lambda: "GPU-1234")
+    assert results.new_result("x", cfg, 1.0, 1.0)["gpu_uuid"] == "GPU-1234"
+    assert results.new_result("x", cfg, 1.0, 1.0, gpu_uuid="GPU-9")["gpu_uuid"] == "GPU-9"  # a caller's own wins
 
 
 def test_provenance_from_the_environment_wins_over_git(monkeypatch):
