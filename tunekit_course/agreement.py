@@ -120,7 +120,8 @@ def _first_difference(printed: str, now: str, context: int = 40) -> str:
 FIGURE = re.compile(r"(?<![\w.])[-+]?\d[\d,]*(?:\.\d+)?(?![A-Za-wyz_\d])")
 # where a result was read from, which replay mode says in its own words by design (no figure of the result's)
 WHERE_FROM = re.compile(r": (?:replaying the published|no published result to replay|your measurement of|measured "
-                        r".+ on another|the published result of|reusing the result of|not saved \(replay mode)")
+                        r".+ (?:on another|read from your results folder)|the published result of|reusing the result "
+                        r"of|not saved \(replay mode)")
 
 
 def _named(line: str, names: list[str]) -> tuple[str | None, str]:
