@@ -1,5 +1,5 @@
 """The README's generated blocks, rendered from the published result files (`tunekit results --update-readme`):
-the article's headline as lesson 5 measured it, every step result, lesson 5's whole runs, the claims and
+the article's headline as lesson 5 measured it, every step result, lesson 5's whole runs and its waterfall, the claims and
 tunekit's own targets (`claims`), the comparison with the plain stack and Unsloth, the TRL race and the model
 families. tests/course/test_readme.py fails when the README is stale.
 """
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tunekit.config import REPO_ROOT
 from tunekit.results import by_name, format_table
-from tunekit_course import RESULTS
+from tunekit_course import RESULTS, waterfall
 from tunekit_course.claims import (
     WHOLE_RUNS,
     claims_table,
@@ -78,7 +78,7 @@ def render_readme(text: str, rs: dict[str, dict]) -> str:
     from tunekit_course.trl_race import trl_table
 
     blocks = {"headline": headline(rs), "results": format_table(sorted(step_results(rs), key=lambda r: r["name"])),
-              "epochs": whole_runs_table(rs),
+              "epochs": whole_runs_table(rs), "waterfall": waterfall.table(rs),
               "claims": claims_table(rs, targets=False), "targets": targets_table(rs),
               "reference": reference_table(rs), "speedpush": speed_table(rs),
               "trl": trl_table(rs), "families": families.table()}

@@ -319,11 +319,43 @@ def _bar_names() -> list[str]:
     return [n for name, _, _ in waterfall_runs() for n in (name, name + AGAIN)]
 
 
+def bars_in(results: dict[str, dict]) -> dict[str, dict]:
+    """{name: result} of the waterfall's bars and their second measurements among `results`."""
+    return {n: results[n] for n in _bar_names() if n in results}
+
+
 def _published_bars() -> dict[str, dict]:
     """{name: result} of the published bars and their second measurements."""
     from tunekit_course import notebook
 
     return {n: r for n in _bar_names() if (r := notebook.published(n))}
+
+
+def table(results: dict[str, dict]) -> str:
+    """The waterfall as a markdown table, from the bars among `results` (one source): each bar's steady real
+    tokens/s with its 10th-90th percentile, its change against the bar before it on the same GPU with that
+    change's spread (`bar_change`; "inside its spread" where it showed no effect), its one-time cost, and the
+    commit that measured it; a bar not measured says so. Under it, the two sentences of `summary`."""
+    bars = bars_in(results)
+    rows = ["| bar | steady real tok/s (p10–p90) | against the bar before (spread) | one-time s | commit |",
+            "|---|---|---|---|---|"]
+    for name, label, _, bar, _ in shown({}, bars):
+        if bar is None:
+            rows.append(f"| {label} | unmeasured | | | |")
+            continue
+        ref = None if name.endswith(AGAIN) else reference(bars, name)
+        change = ""
+        if ref:
+            c = bar_change(ref, bar)
+            change = f"{c['ratio']:.2f}x"
+            if c["within"] is None:
+                change += " (not compared: another GPU)"
+            else:
+                change += f" ({c['low']:.2f}–{c['high']:.2f}x)" + (": inside its spread" if c["within"] else "")
+        spread = bar.get("tok_per_s_p10_p90")
+        tps = f"{bar['tokens_per_s']:,.0f}" + (f" ({spread[0]:,.0f}–{spread[1]:,.0f})" if spread else "")
+        rows.append(f"| {label} | {tps} | {change} | {bar['one_time_s']:.0f} | {(bar.get('commit') or '-')[:7]} |")
+    return "\n".join([*rows, "", *(f"- {line}" for line in summary(bars))])
 
 
 def yours_or_published(mine: dict[str, dict]) -> dict[str, dict]:

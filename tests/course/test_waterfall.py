@@ -188,3 +188,26 @@ def test_the_summary_reads_your_bars_and_the_published_ones_for_the_rest(monkeyp
     assert lines[0].startswith("The article's 5 items, one bar each: 3.00x the steady rate")  # published, GPU-1
     assert lines[1] == "The course's 10 changes after them: 1 of 10 bars measured and compared, so not added up"
     assert waterfall.changes(both)[5][2]["ratio"] == pytest.approx(2.0)  # l5w_06: yours, on GPU-2 alone
+
+
+def test_the_readme_table_has_a_row_a_bar_and_reads_each_change_on_its_own_gpu():
+    """`waterfall.table` (the README's block): a row per bar in the waterfall's order, a bar measured again on
+    another GPU in a row of its own with no change of its own, the bar after it read against it, a bar not
+    measured said to be, each change with its spread; the two summary sentences under it."""
+    tokens = [1000] * 30
+    names = [name for name, _, _ in waterfall.waterfall_runs()]
+    labels = [label for _, label, _ in waterfall.waterfall_runs()]
+    bars = {name: {**_bar([1000.0 * (1 + 0.05 * (k % 3 - 1)) for k in range(30)], tokens), "one_time_s": 20.0,
+                   "commit": "abcdef123", "tok_per_s_p10_p90": [950.0, 1050.0]} for name in names[:3]}
+    bars["l5w_02_again"] = {**_bar([2000.0] * 30, tokens, "GPU-2"), "one_time_s": 21.0, "commit": "1234567"}
+    bars["l5w_03"] = {**_bar([3000.0] * 30, tokens, "GPU-2"), "one_time_s": 22.0, "commit": "1234567"}
+    lines = waterfall.table({**bars, "not_a_bar": {"tokens_per_s": 1.0}}).splitlines()
+    rows = [line for line in lines if line.startswith("| ") and not line.startswith("| bar ")]
+    assert len(rows) == len(names) + 1  # every bar, and the one measured again
+    assert rows[0] == f"| {labels[0]} | 1,000 (950–1,050) |  | 20 | abcdef1 |"
+    assert rows[1].startswith(f"| {labels[1]} | 1,000 (950–1,050) | 1.00x (") and rows[1].endswith(
+        ": inside its spread | 20 | abcdef1 |")
+    assert rows[3].startswith(f"| {labels[2]} (again, on the next bars' GPU) | 2,000 |  | 21 |")
+    assert rows[4].startswith(f"| {labels[3]} | 3,000 | 1.50x (1.50–1.50x) | 22 |")  # against the again row
+    assert rows[5] == f"| {labels[4]} | unmeasured | | | |"
+    assert lines[-2].startswith("- The article's 5 items") and lines[-1].startswith("- The course's 10 changes")
