@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -42,10 +44,12 @@ def apply_gradient_checkpointing(model: torch.nn.Module, offload: bool = False) 
     else:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if offload:
+        streamed = StreamedOffload() if os.environ.get("TUNEKIT_OFFLOAD_STREAM") == "1" else None
+
         def offloaded(function, *args, **kw):
             # The checkpoint saves its inputs through the hooks active outside it (these); what the block
             # saves inside is dropped by the checkpoint's own hooks and recomputed.
-            with HostOffload():
+            with streamed.block() if streamed else HostOffload():
                 return checkpoint(function, *args, use_reentrant=False, **kw)
 
         for module in base.modules():
@@ -84,6 +88,93 @@ def _pack_to_host(t: torch.Tensor):
 def _unpack_from_host(packed):
     device, t = packed
     return t if device is None else t.to(device, non_blocking=True)
+
+
+class StreamedOffload:
+    """`HostOffload` with its copies off the compute stream, for one model's blocks together (an experiment:
+    `TUNEKIT_OFFLOAD_STREAM=1`, its speed not measured yet). In forward each block's saved input goes to pinned
+    CPU memory on a side stream, so the copy overlaps the next blocks' compute (`record_stream` keeps its GPU
+    memory until the copy has read it). In backward, when a block's saved inputs are first needed, they come
+    back on the side stream (unless already there) and the block before it is prefetched, so its copy overlaps
+    this block's recomputation and backward: two blocks' inputs at most are on the GPU at a time. Tensors under
+    `OFFLOAD_MIN_BYTES` and tensors not on a CUDA device stay where they are, as in `HostOffload`."""
+
+    device_type, pin = "cuda", True  # what is offloaded, and into pinned memory (a CPU test changes both)
+
+    def __init__(self):
+        self._streams: dict = {}
+        self._blocks: list = []  # weak references to each block's saved entries, in forward order
+
+    @contextlib.contextmanager
+    def block(self) -> Iterator[None]:
+        """The hooks for one block's checkpoint: what it saves is one group, fetched back together."""
+        group = _Group()
+        self._blocks = [ref for ref in self._blocks if ref() is not None] + [weakref.ref(group)]
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(group, t), self._unpack):
+            yield
+
+    def _side(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+    def _pack(self, group: _Group, t: torch.Tensor):
+        if t.device.type != self.device_type or t.numel() * t.element_size() < OFFLOAD_MIN_BYTES:
+            return None, t
+        side = self._side(t.device)
+        side.wait_stream(torch.cuda.current_stream(t.device))  # after the kernel that wrote t
+        with torch.cuda.stream(side):
+            host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=self.pin)
+            host.copy_(t, non_blocking=True)
+        t.record_stream(side)  # its memory is not reused before the copy has read it
+        entry = _Entry(t.device, host, group)
+        group.entries.append(entry)
+        return entry, None
+
+    def _fetch(self, entries: list[_Entry]) -> None:
+        """Start copying saved tensors back to the GPU on the side stream (those not there already)."""
+        for e in entries:
+            if e.gpu is None:
+                side = self._side(e.device)
+                with torch.cuda.stream(side):  # after its own copy to the host: the same stream
+                    e.gpu = e.host.to(e.device, non_blocking=True)
+                    e.ready = torch.cuda.Event()
+                    e.ready.record(side)
+
+    def _fetch_group(self, group: _Group) -> None:
+        if not group.fetched:
+            group.fetched = True
+            self._fetch(group.entries)
+
+    def _unpack(self, packed):
+        entry, kept = packed
+        if entry is None:
+            return kept
+        if not entry.group.fetched:  # the block's backward begins: its inputs, and the next block's, come back
+            groups = [g for ref in self._blocks if (g := ref()) is not None]
+            self._fetch_group(entry.group)
+            at = next((i for i, g in enumerate(groups) if g is entry.group), 0)
+            if at > 0:
+                self._fetch_group(groups[at - 1])  # the block whose backward comes next
+        self._fetch([entry])  # a tensor unpacked a second time comes back again from the host
+        current = torch.cuda.current_stream(entry.device)
+        current.wait_event(entry.ready)
+        gpu, entry.gpu = entry.gpu, None  # the host copy stays while the graph holds the entry
+        gpu.record_stream(current)
+        return gpu
+
+
+class _Group:
+    def __init__(self):
+        self.entries: list[_Entry] = []
+        self.fetched = False
+
+
+class _Entry:
+    def __init__(self, device: torch.device, host: torch.Tensor, group: _Group):
+        self.device, self.host, self.group = device, host, group
+        self.gpu: torch.Tensor | None = None
+        self.ready: torch.cuda.Event | None = None
 
 
 class HostEmbedding(torch.nn.Module):

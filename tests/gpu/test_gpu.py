@@ -111,8 +111,11 @@ def test_chunked_loss_matches_plain_and_saves_the_logits(method, tmp_path):
     assert plain[2] - chunked[2] > 0.5 * logits_gb, (plain[2], chunked[2])
 
 
-def test_offloads_keep_gradients_and_free_memory(tmp_path):
+@pytest.mark.parametrize("streamed", [False, True])
+def test_offloads_keep_gradients_and_free_memory(streamed, tmp_path, monkeypatch):
     # A small vocabulary, so that the loss's chunk of logits is not the step's peak: the recomputation is.
+    # streamed: the copies on a side stream, the next block prefetched (memory.StreamedOffload)
+    monkeypatch.setenv("TUNEKIT_OFFLOAD_STREAM", "1" if streamed else "0")
     cfg = tiny(**{**MID, "vocab_size": 1024}, grad_ckpt=True, device="cuda", out_dir=str(tmp_path))
     on_gpu = step_result(cfg)
     offloaded = step_result(tiny(**{**config.config_dict(cfg), "grad_ckpt_offload": True, "embed_offload": True}))

@@ -400,3 +400,105 @@ def test_the_estimate_is_of_the_model_given_not_the_preset_s_shape(tmp_path, mon
     model_shape.cache_clear()
     with pytest.raises(ValueError, match="'no-such/model': its config is unreadable"):
         Setup.of(get_preset("llama7b_lora", model="no-such/model"))
+
+
+class _FakeStreams:
+    """torch.cuda's streams, events and `record_stream`, recorded instead of run: the streamed offload's
+    bookkeeping on a CPU (its copies are plain CPU copies here)."""
+
+    def __init__(self, monkeypatch):
+        self.log: list[tuple] = []
+        fake = self
+
+        class Stream:
+            def __init__(self, device=None):
+                self.name = "side"
+
+            def wait_stream(self, other):
+                fake.log.append(("side waits", other.name))
+
+            def wait_event(self, event):
+                fake.log.append(("compute waits", event.name))
+
+        class Event:
+            count = 0
+
+            def __init__(self):
+                Event.count += 1
+                self.name = f"e{Event.count}"
+
+            def record(self, stream):
+                fake.log.append(("event", self.name, stream.name))
+
+        compute = Stream()
+        compute.name = "compute"
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+        monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+        monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: fake.log.append(("keep", s.name)))
+
+
+def test_streamed_offload_copies_off_the_compute_stream_and_prefetches_one_block(monkeypatch):
+    """Four checkpointed 'blocks' (a large input each, and a small tensor that stays): gradients equal to
+    the plain path's; every large saved tensor goes to the host after the compute stream's work, on the side
+    stream; in backward each block's inputs come back when first needed together with the block before it,
+    so no block but the last waits for a copy issued at its own unpack."""
+    from torch.utils.checkpoint import checkpoint
+
+    fake = _FakeStreams(monkeypatch)
+    offload = memory.StreamedOffload()
+    offload.device_type, offload.pin = "cpu", False
+    n = (memory.OFFLOAD_MIN_BYTES // 4) + 1  # just over the size that is offloaded
+    w = [torch.randn(n, requires_grad=True) for _ in range(4)]
+    small = torch.randn(8, requires_grad=True)
+
+    def block(x, wi):
+        return (x * wi).tanh() + small.sum()
+
+    def run(offloaded: bool):
+        x = torch.linspace(-1, 1, n, requires_grad=True)
+        for wi in w:
+            with offload.block() if offloaded else contextlib.nullcontext():
+                x = checkpoint(block, x, wi, use_reentrant=False)
+        x.sum().backward()
+        grads = [wi.grad.clone() for wi in (*w, small)]
+        for wi in (*w, small):
+            wi.grad = None
+        return grads
+
+    plain = run(False)
+    streamed = run(True)
+    for a, b in zip(plain, streamed):
+        torch.testing.assert_close(a, b)
+    packs = [e for e in fake.log if e == ("side waits", "compute")]
+    assert len(packs) == 8  # each block saves x and its weight, both large; the small tensor stays
+    events = [e for e in fake.log if e[0] == "event"]
+    assert len(events) == 8 and all(stream == "side" for _, _, stream in events)  # every copy back: side
+    # the last block's unpack fetched it and the block before; so did each block's, one block ahead
+    first_fetch = fake.log.index(events[0])
+    assert [e[0] for e in fake.log[first_fetch:first_fetch + 4]] == ["event"] * 4  # two blocks, two tensors each
+    assert sum(1 for e in fake.log if e[0] == "compute waits") == 8
+    # the bookkeeping lets go of a finished step's blocks
+    import gc
+    gc.collect()
+    run(True)
+    assert len([r for r in offload._blocks if r() is not None]) <= 4
+
+
+def test_streamed_offload_brings_a_tensor_back_again_for_a_second_backward(monkeypatch):
+    from torch.utils.checkpoint import checkpoint
+
+    _FakeStreams(monkeypatch)
+    offload = memory.StreamedOffload()
+    offload.device_type, offload.pin = "cpu", False
+    n = (memory.OFFLOAD_MIN_BYTES // 4) + 1
+    w = torch.randn(n, requires_grad=True)
+    x = torch.linspace(-1, 1, n)
+    with offload.block():
+        y = checkpoint(lambda a, b: (a * b).sin(), x, w, use_reentrant=False).sum()
+    y.backward(retain_graph=True)
+    once = w.grad.clone()
+    y.backward()  # the saved tensors are unpacked a second time
+    torch.testing.assert_close(w.grad, 2 * once)
+    torch.testing.assert_close(once, (x * w).cos() * x)
