@@ -28,7 +28,6 @@ from tunekit_course.runlog import (
     derived_fields,
     describe_fp8,
     done,
-    gpu_uuid,
     logged_rows,
     segments,
     steady_vs,
@@ -158,7 +157,7 @@ def result(name: str, folder: str | Path) -> dict:
         segments=segs, steps=summary["steps"], epochs_seen=summary.get("epochs_seen"),
         eval_losses=summary.get("eval_losses"), eval_loss=summary.get("eval_loss"),
         final_loss=summary.get("final_loss"), timings=summary.get("timings"), baselines=baselines, tokens_seen=summary.get("tokens_seen"),
-        packing=summary.get("packing"), weights=cfg.model or "random-init", gpu_uuid=gpu_uuid(),
+        packing=summary.get("packing"), weights=cfg.model or "random-init",
         data=f"{cfg.data}: {cfg.epochs:g} epochs, whole; wall-clock summed over {len(segs)} segment(s) (the time "
              "between them not counted); tokens/s counts real tokens over the steps after each segment's first",
         **derived)

@@ -202,7 +202,7 @@ def read_back(name: str, r: dict) -> str:
     """The line a cell prints for result `r` of your results folder, read back instead of measured: when, and
     whether on this GPU or on another machine of its kind whose result was copied in (two machines of one GPU
     model differ by up to ~20%: its figures are that machine's, not this one's)."""
-    from tunekit_course.runlog import gpu_uuid
+    from tunekit.results import gpu_uuid
 
     there, here = r.get("gpu_uuid"), gpu_uuid()  # None: no GPU (a CPU run), or a result from before GPUs were recorded
     again = "; TUNEKIT_REMEASURE=1 measures again"

@@ -10,7 +10,6 @@ import itertools
 import json
 from pathlib import Path
 
-from tunekit.results import gpu_uuid  # noqa: F401  (the course's modules read it from here; tests replace it)
 from tunekit.stopping import read_metrics_file
 
 

@@ -21,9 +21,10 @@ import sys
 import time
 from pathlib import Path
 
+from tunekit.results import gpu_uuid
 from tunekit_course import runlog
 from tunekit_course.fullrun import run_folder, run_segment
-from tunekit_course.runlog import derived_fields, done, gpu_uuid, logged_rows, p10_p90, segments
+from tunekit_course.runlog import derived_fields, done, logged_rows, p10_p90, segments
 
 ARTICLE_ITEMS = 5  # bars 1-5 are the article's items (ending at article_checklist), the rest the course's
 
@@ -106,7 +107,7 @@ def waterfall_bar(name: str, label: str, folder: str | Path) -> dict:
                       code_files=(code_file(__file__), code_file(runlog.__file__)), label=label,
                       one_time_s=rows[0]["elapsed_s"],
                       steps=len(rows), steady_s=round(rows[-1]["elapsed_s"] - rows[0]["elapsed_s"], 1),
-                      weights=cfg.model or "random-init", gpu_uuid=gpu_uuid(), row_tokens=row_tokens, **derived)
+                      weights=cfg.model or "random-init", row_tokens=row_tokens, **derived)
 
 
 def _block_rates(bar: dict, blocks: int = 3) -> list[float]:

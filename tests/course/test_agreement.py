@@ -154,10 +154,11 @@ def test_replays_run_side_by_side_each_in_replay_mode_and_a_failing_one_is_hande
 def test_every_read_back_line_is_known_as_one(monkeypatch):
     """A line saying where a result was read from names the result but holds no figure of its: each of
     `notebook.read_back`'s forms (this GPU's, another machine's, one that did not record its GPU) is left out."""
-    from tunekit_course import notebook, runlog
+    from tunekit import results
+    from tunekit_course import notebook
 
     r = {"date": "2026-12-04T10:00:00+00:00", "gpu": "NVIDIA H200", "world_size": 1}
-    monkeypatch.setattr(runlog, "gpu_uuid", lambda: "aaa")
+    monkeypatch.setattr(results, "gpu_uuid", lambda: "aaa")
     lines = [notebook.read_back("l5_x", {**r, "gpu_uuid": uuid}) for uuid in ("aaa", "bbb", None)]
     assert len(set(lines)) == 3 and all(agreement.WHERE_FROM.search(line) for line in lines)
     assert not agreement.WHERE_FROM.search("l5_x: measured 3.3 min, 25,450 tok/s")

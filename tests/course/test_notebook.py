@@ -310,21 +310,21 @@ def fake_runs(monkeypatch):
 def test_a_result_copied_in_from_another_machine_says_so(monkeypatch):
     """A result read back from your results folder says whether this GPU measured it or another machine of its
     kind did (a published result copied in): two machines of one model differ, so its figures are not yours."""
-    from tunekit_course import runlog
+    from tunekit import results
 
     r = {"date": "2026-12-04T10:00:00+00:00", "gpu": "NVIDIA H200", "world_size": 1, "gpu_uuid": "aaa"}
-    monkeypatch.setattr(runlog, "gpu_uuid", lambda: "bbb")
+    monkeypatch.setattr(results, "gpu_uuid", lambda: "bbb")
     assert notebook.read_back("l5_x", r) == (
         "l5_x: measured 2026-12-04 10:00 UTC on another H200 machine and copied into your results folder (its "
         "figures are that machine's, not this GPU's); TUNEKIT_REMEASURE=1 measures again")
-    monkeypatch.setattr(runlog, "gpu_uuid", lambda: "aaa")
+    monkeypatch.setattr(results, "gpu_uuid", lambda: "aaa")
     assert notebook.read_back("l5_x", r).startswith("l5_x: your measurement of 2026-12-04 10:00 UTC on this GPU (H200)")
     # on a GPU, a result from before machines were recorded is not claimed for this GPU (nor for another)
     unknown = notebook.read_back("l5_x", {**r, "gpu_uuid": None})
     assert unknown.startswith("l5_x: measured 2026-12-04 10:00 UTC on H200, read from your results folder (which "
                               "machine was not recorded: this one, or another whose result was copied in)")
     assert "your measurement" not in unknown and "this GPU" not in unknown
-    monkeypatch.setattr(runlog, "gpu_uuid", lambda: None)  # no GPU here: a CPU run's result is this machine's
+    monkeypatch.setattr(results, "gpu_uuid", lambda: None)  # no GPU here: a CPU run's result is this machine's
     assert notebook.read_back("l5_x", {**r, "gpu_uuid": None, "gpu": "cpu"}).startswith("l5_x: your measurement of")
 
 
