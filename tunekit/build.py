@@ -130,7 +130,10 @@ def apply_techniques(model, cfg: TuneConfig, device: str, dtype: torch.dtype):
         model = mdl.apply_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets,
                                cast_input=cfg.lora_input_cast)
     parallel = distributed.choose_parallel(cfg.parallel, cfg.method)
-    if cfg.fast_lora:  # with fp8: the frozen base weights in FP8, quantized once
+    if cfg.fast_lora and cfg.method == "qlora" and parallel == "fsdp":
+        raise ValueError("--fast-lora with QLoRA under FSDP: the fused layer reads each 4-bit weight whole, which "
+                         "FSDP shards; use --parallel ddp, or leave --fast-lora off")
+    if cfg.fast_lora:  # with fp8: the frozen base weights in FP8, quantized once (4-bit ones read at each use)
         # FSDP2 shards each layer's weight on its own; a group's concatenated weight would stay whole on each GPU
         kernels.append(fastlora.attach(model, fp8=cfg.fp8, group=cfg.fast_lora_group and parallel != "fsdp"))
     elif cfg.fp8:  # the base layers (LoRA's own adapters stay bf16/fp32)

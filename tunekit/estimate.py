@@ -283,7 +283,7 @@ def estimate_memory_for(setup: Setup | None = None, /, *args, **fields) -> dict:
                            world_size=s.world_size, parallel=choose_parallel(s.parallel, s.method),
                            fsdp_reshard=s.fsdp_reshard, head_dim=s.head_dim, tie_embeddings=s.tie_embeddings,
                            layer_extras=s.layer_extras, fused=s.compile != "none" or s.kernels == "liger",
-                           fp8_weights=s.fp8 and s.fast_lora)
+                           fp8_weights=s.fp8 and s.fast_lora and s.method != "qlora")  # 4-bit: read at each use
 
 
 def parameter_count(setup: Setup) -> int:

@@ -44,6 +44,8 @@ import types
 
 import torch
 
+from tunekit import nf4
+
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
@@ -135,6 +137,32 @@ class FrozenLoRA(torch.autograd.Function):
         return dx, None, None, None, None, None, grad_a.to(lora_a.dtype), grad_b.to(lora_b.dtype), None
 
 
+class FrozenLoRA4bit(torch.autograd.Function):
+    """`FrozenLoRA` over a bitsandbytes 4-bit base (QLoRA): W read from its codes (`nf4.dequantize`) where each
+    matmul needs it, in the forward and again in the backward, never kept; with `fp8` quantized from there to
+    FP8 in the layout that matmul needs (per output row forward, per input column backward). `q` is
+    `nf4.tensors(base)`, `shape` `nf4.shape_of(base)`."""
+
+    @staticmethod
+    def forward(ctx, x, shape, fp8: bool, scale: float, lora_a, lora_b, *q):
+        w = nf4.dequantize(*q, *shape, torch.float32 if fp8 else x.dtype)
+        w8, w8_inv = quantize(w, -1) if fp8 else (None, None)
+        out, x2, xs = _lora_forward(ctx, x, w, w8, None if w8_inv is None else w8_inv.t(),
+                                    lora_a.to(x.dtype), lora_b.to(x.dtype), scale)
+        ctx.save_for_backward(x2, xs, lora_a, lora_b, *q)
+        ctx.qshape, ctx.fp8 = shape, fp8
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, xs, lora_a, lora_b, *q = ctx.saved_tensors
+        w = nf4.dequantize(*q, *ctx.qshape, torch.float32 if ctx.fp8 else dy.dtype)
+        w8t, w8t_inv = quantize(w, 0) if ctx.fp8 else (None, None)
+        dx, grad_a, grad_b = _lora_backward(ctx, dy, x2, xs, w, None if w8t is None else w8t.t().contiguous(),
+                                            w8t_inv, lora_a.to(dy.dtype), lora_b.to(dy.dtype))
+        return (dx, None, None, None, grad_a.to(lora_a.dtype), grad_b.to(lora_b.dtype)) + (None,) * len(q)
+
+
 class GroupLoRA(torch.autograd.Function):
     """Several LoRA linears over one input as one: `x W^T + (x A^T) s B^T` with W the members' frozen weights
     concatenated by rows ([sum out, in]), A their adapters' A stacked ([sum r, in]) and B theirs as one
@@ -213,6 +241,11 @@ def _forward(self, x, *args, **kwargs):
         return group.output(self, x)
     name = self.active_adapters[0]
     base = self.base_layer
+    if (shape := getattr(base, "tk_nf4_shape", None)) is not None:  # a 4-bit base
+        q = [getattr(base, f"tk_nf4_{t}") for t in NF4_TENSORS]
+        out = FrozenLoRA4bit.apply(_autocast_input(x), shape, base.tk_nf4_fp8, self.scaling[name],
+                                   self.lora_A[name].weight, self.lora_B[name].weight, *q)
+        return out if base.bias is None else out + base.bias.to(out.dtype)
     out = FrozenLoRA.apply(_autocast_input(x), base.weight, getattr(base, "tk_w8", None), getattr(base, "tk_w8_inv", None),
                            getattr(base, "tk_w8t", None), getattr(base, "tk_w8t_inv", None),
                            self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name])
@@ -222,8 +255,11 @@ def _forward(self, x, *args, **kwargs):
 
 def why_not(module) -> str:
     """'' when `module` (a peft LoRA Linear) can take the fused forward, else why not."""
-    if type(module.base_layer) is not torch.nn.Linear:
-        return f"its base is {type(module.base_layer).__name__}, not a plain nn.Linear"
+    if nf4.is_4bit(module.base_layer):
+        if why := nf4.why_not(module.base_layer):
+            return why
+    elif type(module.base_layer) is not torch.nn.Linear:
+        return f"its base is {type(module.base_layer).__name__}, not a plain nn.Linear or a 4-bit Linear4bit"
     if module.base_layer.bias is not None and module.base_layer.bias.requires_grad:
         return "its base bias trains (peft's bias='all' or 'lora_only'; set bias='none')"
     if module.base_layer.weight.requires_grad:
@@ -236,12 +272,13 @@ def why_not(module) -> str:
 
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # siblings that read one input
+NF4_TENSORS = ("codes", "table", "absmax", "table2", "absmax2", "offset")  # nf4.tensors, as buffers of the base
 
 
 def _groups(model, layers) -> list[Group]:
     """The `GROUPS` found among `layers`: siblings of one parent, all fused, with one input size, dtype and
     device, the same adapter and the same scale."""
-    fused = {id(m) for _, m in layers}
+    fused = {id(m) for _, m in layers if not nf4.is_4bit(m.base_layer)}  # 4-bit layers stay apart
     out = []
     for parent in model.modules():
         for names in GROUPS:
@@ -265,8 +302,10 @@ def attach(model, fp8: bool = False, group: bool = False) -> str:
     FSDP2 shards it (with FSDP2, pass group=False). Returns what it did. A layer that cannot take it is an
     error naming it and why."""
     from peft.tuners.lora.layer import Linear as LoraLinear
+    from peft.tuners.lora.layer import LoraLayer
 
-    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, LoraLinear)]
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, LoraLinear) or (
+        isinstance(m, LoraLayer) and nf4.is_4bit(getattr(m, "base_layer", None)))]  # peft's lora.bnb.Linear4bit
     if not layers:
         raise ValueError("fast_lora: the model has no peft LoRA linear layers (method lora attaches them)")
     for name, m in layers:
@@ -300,11 +339,18 @@ def attach(model, fp8: bool = False, group: bool = False) -> str:
         if fp8:
             _register_fp8(g.parent, weight, "tk_group_")
     for _, m in layers:
-        if fp8 and id(m) not in grouped:
+        if nf4.is_4bit(base := m.base_layer):  # read from its codes at each use (in FP8 too): nothing stored
+            for t, tensor in zip(NF4_TENSORS, nf4.tensors(base)):
+                base.register_buffer(f"tk_nf4_{t}", tensor, persistent=False)
+            base.tk_nf4_shape, base.tk_nf4_fp8 = nf4.shape_of(base), fp8
+        elif fp8 and id(m) not in grouped:
             _register_fp8(m.base_layer, m.base_layer.weight, "tk_")
         m._peft_forward = m.forward
         m.forward = types.MethodType(_forward, m)
-    kind = "FP8 (e4m3, per-row scales, quantized once)" if fp8 else str(layers[0][1].base_layer.weight.dtype)[6:]
+    if any(nf4.is_4bit(m.base_layer) for _, m in layers):
+        kind = "4-bit NF4, read " + ("into FP8 (e4m3, per-row scales) at each use" if fp8 else "at each use")
+    else:
+        kind = "FP8 (e4m3, per-row scales, quantized once)" if fp8 else str(layers[0][1].base_layer.weight.dtype)[6:]
     grouped_note = f", {len(groups)} groups of siblings computed as one" if groups else ""
     return f"fused LoRA in {len(layers)} linear layers{grouped_note}, frozen base weights {kind}"
 
@@ -330,6 +376,8 @@ def detach(model) -> int:
     for module in model.modules():
         for name in [b for b, _ in module.named_buffers(recurse=False) if b.startswith("tk_")]:
             delattr(module, name)
+        for name in ("tk_nf4_shape", "tk_nf4_fp8"):
+            vars(module).pop(name, None)
         if "_peft_forward" in vars(module):
             del module.forward, module._peft_forward  # the class's forward again
             n += 1

@@ -42,7 +42,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from tunekit import fastlora, memory, speedups
+from tunekit import fastlora, memory, nf4, speedups
 from tunekit import loss as loss_fn
 from tunekit.attention import choose_attention
 from tunekit.data.batching import IGNORE, Collator, plan_packing
@@ -110,6 +110,9 @@ def _fast_lora(model, wanted, fp8: bool) -> str:
         if fp8:
             raise ValueError("speed_up(fp8=True): FP8 base weights are part of the fused LoRA; set fast_lora=True")
         return "off"
+    if wanted == "auto" and not fp8 and any(nf4.is_4bit(m) for m in model.modules()):
+        return ("not applied (4-bit base layers: the fused LoRA over them in bf16 is not measured faster than "
+                "peft's path; fast_lora=True applies it, fp8=True reads them into FP8)")
     try:
         return fastlora.attach(model, fp8=fp8)
     except ValueError as e:

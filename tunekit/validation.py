@@ -71,10 +71,10 @@ def check(cfg) -> None:
          "offloads what checkpointing saves; turn on --grad-ckpt too")
     need(cfg.method != "full" or not cfg.embed_offload, "embed_offload",
          "only a frozen embedding table can live on the CPU; use it with --method lora or qlora")
-    need(cfg.method != "qlora" or not cfg.fp8, "fp8", "converts bf16 linear layers; QLoRA's base layers are "
-         "4-bit: use it with --method lora or full")
-    need(cfg.method == "lora" or not cfg.fast_lora, "fast_lora", "fuses LoRA over a bf16 base weight; "
-         "use it with --method lora (QLoRA's 4-bit base layers keep peft's path)")
+    need(cfg.method != "qlora" or not cfg.fp8 or cfg.fast_lora, "fp8", "QLoRA's 4-bit base layers go to FP8 "
+         "only through the fused LoRA, which reads their codes into FP8 at each use: add --fast-lora")
+    need(cfg.method in ("lora", "qlora") or not cfg.fast_lora, "fast_lora", "fuses LoRA with its frozen base "
+         "weight; use it with --method lora or qlora")
     need(cfg.lora_dropout == 0 or not cfg.fast_lora, "fast_lora", "has no LoRA dropout; set --lora-dropout 0")
     need(cfg.method == "qlora" or not cfg.peft_kbit_prepare, "peft_kbit_prepare",
          "applies to 4-bit models only; use it with --method qlora")
