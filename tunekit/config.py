@@ -204,11 +204,13 @@ class TuneConfig:
     fp8: bool = False
     """torchao float8 training (rowwise scales) for the large linear layers: FP8 tensor-core matmuls on
     Hopper/Ada GPUs, weights kept bf16. Pays off with --compile (the casts fuse); GPU only. With --fast-lora,
-    tunekit's own FP8 instead: each frozen base weight quantized once, not every step."""
+    tunekit's own FP8 instead: each frozen base weight quantized once, not every step; with --method qlora
+    (which takes FP8 only with --fast-lora) the 4-bit codes read into FP8 at each use, nothing more stored."""
     fast_lora: bool = False
-    """LoRA only: each adapted linear layer as one autograd function (tunekit/fastlora.py) instead of peft's
-    four modules — the frozen weight's gradient never formed; with --fp8 the frozen weights are quantized to
-    FP8 once. Same parameters and saved adapter as peft's."""
+    """LoRA and QLoRA: each adapted linear layer as one autograd function (tunekit/fastlora.py) instead of
+    peft's four modules — the frozen weight's gradient never formed; with --fp8 the frozen weights are quantized
+    to FP8 once (QLoRA's 4-bit weights: read into FP8 at each use, tunekit/nf4.py). Same parameters and saved
+    adapter as peft's."""
     fast_lora_group: bool = False
     """With --fast-lora: the layers that read one input (q/k/v, gate/up) as one matmul over their concatenated
     weights, each way (not under FSDP2, whose sharding would split the concatenated weight). Off by default:
