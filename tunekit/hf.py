@@ -15,7 +15,9 @@ why not where it cannot; asking for it outright (`fast_lora=True`, `loss="chunke
 suit an error that says why:
 
 - `fast_lora`: each peft LoRA linear layer as one autograd function (`fastlora.attach`); `fp8`: its frozen base
-  weight in FP8, quantized once (a GPU of compute capability 8.9+; call after the model is on it).
+  weight in FP8, quantized once (a GPU of compute capability 8.9+; call after the model is on it), or for a
+  4-bit (QLoRA) model read from its codes into FP8 at each use. `"auto"` leaves a 4-bit model on peft's path
+  unless `fp8` is asked for.
 - `loss`: `chunked` computes the LM head and the cross-entropy a chunk of tokens at a time without holding the
   logits (`loss.chunked_lm_loss`), inside `model(input_ids, labels=...)` as `Trainer` calls it, `num_items_in_batch`
   included. `liger` is Liger's kernel for the same. Only in training: in eval mode, or without labels, the model's

@@ -161,3 +161,13 @@ def test_compiled_4bit_layer_reads_the_codes_to_the_same_numbers():
     assert g0.keys() == g1.keys() and len(g0) == 6
     for n in g0:
         torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_speed_up_leaves_a_4bit_model_on_peft_unless_asked_and_then_follows_peft():
+    import tunekit
+
+    auto = tunekit.speed_up(qlora_model(), verbose=False)
+    assert auto.tunekit_speed_ups["fast_lora"].startswith("not applied (4-bit base layers")
+    asked, ids_labels = tunekit.speed_up(qlora_model(), fast_lora=True, verbose=False), batch()
+    assert "4-bit NF4" in asked.tunekit_speed_ups["fast_lora"]
+    assert_same(loss_and_grads(asked, *ids_labels), loss_and_grads(auto, *ids_labels))
