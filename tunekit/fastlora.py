@@ -32,7 +32,11 @@ H200 (7B, batch 4, regional compile) it is same-within-noise faster, +1.2% in FP
 4.3 GB more (v, a view of the one q/k/v output, keeps all of it alive for attention's backward), so it is an
 option (`attach(group=True)`, `--fast-lora-group`), not the default: `s14_lora_group*` vs `s14_lora_fast3*`.
 
-`attach` swaps the forward of each peft LoRA `Linear` (a plain `nn.Linear` base, frozen with its bias if it has
+A QLoRA base (bitsandbytes' 4-bit `Linear4bit`) keeps its 4-bit codes and nothing else: `FrozenLoRA4bit` reads them
+(`nf4.dequantize`) where each matmul needs the weight, and with FP8 into FP8 straight away, so QLoRA's memory gets
+FP8's matmuls. 4-bit layers are not grouped.
+
+`attach` swaps the forward of each peft LoRA `Linear` (a plain `nn.Linear` or 4-bit base, frozen with its bias if it has
 one, one adapter, no dropout) for this one; the parameters, the saved adapter and `merge_and_unload` are peft's, unchanged. A merged or disabled
 adapter goes back to peft's forward. tests/unit/test_fastlora.py checks the loss and gradients against peft's path:
 equal in fp32, within FP8's rounding with FP8.
