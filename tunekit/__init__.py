@@ -10,7 +10,13 @@ runner, the lessons' experiments) is the separate package `tunekit_course`, whic
 
 __version__ = "0.1.0"
 
+import logging
 import warnings
+
+# bitsandbytes' CPU build, on CPUs with bf16 instructions, tries at import to fetch a CPU matmul kernel from the
+# hub and logs a warning when it cannot (offline, or no `kernels`). tunekit never runs bitsandbytes' CPU matmul
+# (QLoRA trains on a GPU; on CPU only the 4-bit codes are read, tunekit/nf4.py), so the line is noise there.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 # torchao's source holds an invalid escape in a docstring: Python warns once, when it first compiles the module
 # (on a fresh install, inside a run or a lesson's output), about torchao's code, not the user's.
