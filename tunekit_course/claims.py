@@ -630,7 +630,7 @@ def speed_table(rs: dict[str, dict]) -> str:
             f", tunekit {c['compile']} compile" if c.get("compile", "none") != "none" else "") + (
             ", tunekit's fused LoRA" if c.get("fast_lora") else "") + (
             (" reading the 4-bit weights into FP8" if c["method"] == "qlora" else " with FP8 weights")
-            if c.get("fp8") else "")
+            if c.get("fp8") else "") + (f", {r['gpu'].removeprefix('NVIDIA ')}" if r.get("gpu") else "")
 
         def cell(stack: str, r: dict = r) -> str:
             x = next((x for x in r["stacks"] if x["stack"] == stack), None)

@@ -322,7 +322,7 @@ def nearest_fit(preset: str, rest: list[str], budget: float, where: str = "this 
     low = {"method": "qlora", "grad_ckpt": True, "grad_ckpt_offload": True, "embed_offload": True,
            "optimizer": "adamw8bit"}
     tries = [("gradient checkpointing on" if not cfg.grad_ckpt else "a smaller micro-batch", {"grad_ckpt": True})]
-    # QLoRA with FP8 (its 4-bit codes read into FP8, `--fast-lora`) is not offered until a GPU has measured it
+    # QLoRA with FP8 (its 4-bit codes read into FP8, `--fast-lora`) is not offered until a whole run has measured it
     if cfg.method != "full" and not cfg.fp8:
         tries += [("QLoRA with gradient checkpointing", {"method": "qlora", "grad_ckpt": True}),
                   ("QLoRA, checkpoints and embeddings in CPU memory, 8-bit AdamW", low)]

@@ -121,7 +121,11 @@ def test_offloads_keep_gradients_and_free_memory(streamed, tmp_path, monkeypatch
     offloaded = step_result(tiny(**{**config.config_dict(cfg), "grad_ckpt_offload": True, "embed_offload": True}))
     assert_same(on_gpu, offloaded)
     saved_inputs = 2 * cfg.num_layers * cfg.batch_size * cfg.max_length * cfg.hidden_size / 1e9
-    assert on_gpu[2] - offloaded[2] > 0.8 * saved_inputs, (on_gpu[2], offloaded[2])
+    # streamed, up to two blocks' inputs are on the GPU at once (one in use, one prefetched or on its way out):
+    # seen on an H100, 49 of the 67 MB freed (8 layers)
+    kept = 2 if streamed else 0
+    assert on_gpu[2] - offloaded[2] > 0.8 * saved_inputs * (cfg.num_layers - kept) / cfg.num_layers, (
+        on_gpu[2], offloaded[2])
 
 
 def test_host_offload_moves_large_saved_tensors_to_pinned_memory_and_back():
