@@ -150,9 +150,8 @@ class FrozenLoRA4bit(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, shape, fp8: bool, scale: float, lora_a, lora_b, *q):
         w = nf4.dequantize(*q, *shape, torch.float32 if fp8 else x.dtype)
-        w8, w8_inv = quantize(w, -1) if fp8 else (None, None)
-        out, x2, xs = _lora_forward(ctx, x, w, w8, None if w8_inv is None else w8_inv.t(),
-                                    lora_a.to(x.dtype), lora_b.to(x.dtype), scale)
+        w8, w8_inv = fp8_rows(w) if fp8 else (None, None)
+        out, x2, xs = _lora_forward(ctx, x, w, w8, w8_inv, lora_a.to(x.dtype), lora_b.to(x.dtype), scale)
         ctx.save_for_backward(x2, xs, lora_a, lora_b, *q)
         ctx.qshape, ctx.fp8 = shape, fp8
         return out
@@ -161,9 +160,9 @@ class FrozenLoRA4bit(torch.autograd.Function):
     def backward(ctx, dy):
         x2, xs, lora_a, lora_b, *q = ctx.saved_tensors
         w = nf4.dequantize(*q, *ctx.qshape, torch.float32 if ctx.fp8 else dy.dtype)
-        w8t, w8t_inv = quantize(w, 0) if ctx.fp8 else (None, None)
-        dx, grad_a, grad_b = _lora_backward(ctx, dy, x2, xs, w, None if w8t is None else w8t.t().contiguous(),
-                                            w8t_inv, lora_a.to(dy.dtype), lora_b.to(dy.dtype))
+        w8t, w8t_inv = fp8_columns(w) if ctx.fp8 else (None, None)
+        dx, grad_a, grad_b = _lora_backward(ctx, dy, x2, xs, w, w8t, w8t_inv, lora_a.to(dy.dtype),
+                                            lora_b.to(dy.dtype))
         return (dx, None, None, None, grad_a.to(lora_a.dtype), grad_b.to(lora_b.dtype)) + (None,) * len(q)
 
 
@@ -360,15 +359,22 @@ def attach(model, fp8: bool = False, group: bool = False) -> str:
 
 
 def _register_fp8(module, weight, prefix: str) -> None:
-    """`weight` [out, in] in FP8 on `module`, as non-persistent buffers: per output row for the forward
-    (`w8` [out, in], factors [1, out]) and per input column, transposed, for the input gradient (`w8t`
-    [in, out], factors [1, in])."""
-    w8, w8_inv = quantize(weight, -1)
-    w8t, w8t_inv = quantize(weight, 0)
-    module.register_buffer(f"{prefix}w8", w8, persistent=False)
-    module.register_buffer(f"{prefix}w8_inv", w8_inv.t().contiguous(), persistent=False)
-    module.register_buffer(f"{prefix}w8t", w8t.t().contiguous(), persistent=False)
-    module.register_buffer(f"{prefix}w8t_inv", w8t_inv, persistent=False)
+    """`weight` in FP8 on `module` in both layouts (`fp8_rows`, `fp8_columns`), as non-persistent buffers."""
+    for name, t in zip(("w8", "w8_inv", "w8t", "w8t_inv"), (*fp8_rows(weight), *fp8_columns(weight))):
+        module.register_buffer(prefix + name, t, persistent=False)
+
+
+def fp8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight` [out, in] in FP8 as the forward's matmul reads it: scaled per output row, factors [1, out]."""
+    w8, inv = quantize(weight, -1)
+    return w8, inv.t().contiguous()
+
+
+def fp8_columns(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight` [out, in] in FP8 as the input gradient's matmul reads it: scaled per input column and stored
+    transposed, [in, out], factors [1, in]."""
+    w8t, inv = quantize(weight, 0)
+    return w8t.t().contiguous(), inv
 
 
 @torch.no_grad()

@@ -70,9 +70,8 @@ def dequantize(codes, table, absmax, table2, absmax2, offset, out_f: int, in_f: 
     else:
         scales = absmax.float()
     if codes.is_cuda and not torch.compiler.is_compiling():
-        return torch.ops.bitsandbytes.dequantize_4bit.default(codes.view(-1, 1), scales.float(), blocksize, "nf4",
+        return torch.ops.bitsandbytes.dequantize_4bit.default(codes.view(-1, 1), scales, blocksize, "nf4",
                                                                [out_f, in_f], dtype)
     pairs = torch.stack((codes >> 4, codes & 15), dim=-1).reshape(-1, blocksize).long()
     values = table.float()[pairs] * scales.reshape(-1, 1)
     return values.to(dtype).reshape(out_f, in_f)
-

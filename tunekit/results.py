@@ -80,7 +80,8 @@ def git_state() -> tuple[str | None, bool | None]:
     return None, None
 
 
-BEHAVIOUR_ENV = ("TUNEKIT_LORA_BMM", "TUNEKIT_OFFLOAD_STREAM")  # environment variables that change a run's arithmetic or kernels
+# environment variables that change a run's arithmetic or kernels
+BEHAVIOUR_ENV = ("TUNEKIT_LORA_BMM", "TUNEKIT_OFFLOAD_STREAM")
 
 
 def entry_point() -> str:
