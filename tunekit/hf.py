@@ -113,8 +113,8 @@ def _fast_lora(model, wanted, fp8: bool) -> str:
             raise ValueError("speed_up(fp8=True): FP8 base weights are part of the fused LoRA; set fast_lora=True")
         return "off"
     if wanted == "auto" and not fp8 and any(nf4.is_4bit(m) for m in model.modules()):
-        return ("not applied (4-bit base layers: the fused LoRA over them in bf16 is not measured faster than "
-                "peft's path; fast_lora=True applies it, fp8=True reads them into FP8)")
+        return ("not applied (4-bit base layers: the fused LoRA over them in bf16 measured level with peft's path, "
+                "0.8 GB less memory at batch 8, s30_qlora_fast; fast_lora=True applies it, fp8=True reads them into FP8)")
     try:
         return fastlora.attach(model, fp8=fp8)
     except ValueError as e:

@@ -91,13 +91,15 @@ def _unpack_from_host(packed):
 
 
 class StreamedOffload:
-    """`HostOffload` with its copies off the compute stream, for one model's blocks together (an experiment:
-    `TUNEKIT_OFFLOAD_STREAM=1`, its speed not measured yet). In forward each block's saved input goes to pinned
-    CPU memory on a side stream, so the copy overlaps the next blocks' compute (`record_stream` keeps its GPU
-    memory until the copy has read it). In backward, when a block's saved inputs are first needed, they come
-    back on the side stream (unless already there) and the block before it is prefetched, so its copy overlaps
-    this block's recomputation and backward: two blocks' inputs at most are on the GPU at a time. Tensors under
-    `OFFLOAD_MIN_BYTES` and tensors not on a CUDA device stay where they are, as in `HostOffload`."""
+    """`HostOffload` with its copies off the compute stream, for one model's blocks together. An experiment that
+    lost: `TUNEKIT_OFFLOAD_STREAM=1` ran the QLoRA step at 9,700 tok/s with steps spread ±46% on an H100, where
+    `HostOffload` ran it at 13,464 ±0.7% (`s30_qlora_fp8_offload_stream`, `s30_qlora_fp8_offload_plain`), so it
+    stays off. In forward each block's saved input goes to pinned CPU memory on a side stream, so the copy
+    overlaps the next blocks' compute (`record_stream` keeps its GPU memory until the copy has read it). In
+    backward, when a block's saved inputs are first needed, they come back on the side stream (unless already
+    there) and the block before it is prefetched, so its copy overlaps this block's recomputation and backward:
+    two blocks' inputs at most are on the GPU at a time. Tensors under `OFFLOAD_MIN_BYTES` and tensors not on a
+    CUDA device stay where they are, as in `HostOffload`."""
 
     device_type, pin = "cuda", True  # what is offloaded, and into pinned memory (a CPU test changes both)
 
