@@ -96,7 +96,8 @@ COMMANDS: dict[str, Command] = {
             arg("--repeat", type=int, default=1, help="bench in this many fresh processes and record the run-to-run "
                 "spread (one result with every run)"),
             arg("--profile", action="store_true", help="where the step's time goes: torch.profiler over a few steps, "
-                "kernel time by category and the costliest kernels (default name profile_<preset>)"),
+                "kernel time by category, the costliest kernels, by the operator (forward or backward) that launched them, "
+                "and the matrix products by shape (default name profile_<preset>)"),
             arg("--epoch", type=float, default=0.0, metavar="FRACTION", help="time `tunekit train` for this share of "
                 "an epoch from a fresh folder (tokenizing, build, compile, steps, eval), and project a whole epoch "
                 "(default name epoch_<preset>)"),

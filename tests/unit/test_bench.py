@@ -11,7 +11,7 @@ from helpers import SMALL_ARCH
 
 from tunekit import bench, results, train
 from tunekit.bench.loop import run_epoch, run_train_loop
-from tunekit.bench.step import categorize, profile_step, run_bench
+from tunekit.bench.step import by_launcher, categorize, profile_step, run_bench
 from tunekit.bench.timing import PEAK_BF16, flops_per_token, measure_step, median_error, peak_flops, spread
 from tunekit.data import prepared
 from tunekit.model import llama_config
@@ -233,6 +233,11 @@ def test_profile_step_says_where_the_time_goes(tmp_path):
     cats = {x["category"] for x in r["breakdown"]}
     assert {"matmul", "attention"} <= cats and r["kernel_s_per_step"] <= r["step_wall_s"] * 1.5
     assert r["top"][0]["seconds"] == max(x["seconds"] for x in r["top"])
+    # the matrix products by shape: the tiny model's LoRA products [tokens, hidden] x [hidden, r] among them
+    shapes = {(g["op"], g["shapes"]) for g in r["gemms"]}
+    assert r["gemms"] and all(g["seconds"] > 0 and g["calls"] >= 1 for g in r["gemms"])
+    assert any(op == "aten::mm" and sh.endswith(", 16]]") for op, sh in shapes), shapes  # x A^T, r 16
+    assert r["by_launcher"] == []  # kernels launched by operators: a CUDA profile's
     # GPU kernel names land where a reader expects them
     names = {"sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "matmul", "nvjet_tst_128x256_64x4": "matmul",
              "flash_fwd_kernel<Flash_fwd_kernel_traits>": "attention", "cudnn_generated_fort_native_sdpa_sm90": "attention",
@@ -246,3 +251,24 @@ def test_profile_step_says_where_the_time_goes(tmp_path):
              "triton_poi_fused_add_mul_silu_silu_backward_view_3": "norm, activation, rope",
              "triton_tem_fused_mm_0": "matmul", "Memcpy DtoD (Device -> Device)": "copy, cast", "nvjet_sm90_qqtst_128x128_128x6_1x1_h_bz_coopA_algo2_ovscale_TNT": "matmul"}
     assert {n: categorize(n) for n in names} == names
+
+
+def test_by_launcher_groups_kernels_by_the_operator_and_pass_that_launched_them():
+    from types import SimpleNamespace as E
+
+    from torch.autograd import DeviceType
+
+    def ev(name, parent=None, kernels=(), device=DeviceType.CPU):
+        return E(name=name, cpu_parent=parent, device_type=device,
+                 kernels=[E(name=n, duration=us) for n, us in kernels])
+
+    fwd = ev("## Call CompiledFxGraph abc ##", ev("CompiledFunction"))
+    bwd = ev("## Call CompiledFxGraph def ##", ev("CompiledFunctionBackward", ev("autograd::engine::evaluate_function")))
+    events = [ev("aten::addmm", fwd, [("nvjet_badd", 300.0), ("Memcpy DtoD (Device -> Device)", 200.0)]),
+              ev("aten::addmm", fwd, [("nvjet_badd", 300.0)]), ev("aten::mm", bwd, [("nvjet", 1000.0)]),
+              ev("aten::mm", fwd, [("nvjet", 600.0)]), fwd, bwd,  # ranges that launch nothing themselves
+              ev("nvjet", device=DeviceType.CUDA)]  # the kernels' own device events are not launchers
+    rows = by_launcher(events, steps=2)
+    assert [(r["op"], r["phase"], r["seconds"], r["launches"]) for r in rows] == [
+        ("aten::mm", "backward", 0.0005, 0.5), ("aten::addmm", "forward", 0.0004, 1.5), ("aten::mm", "forward", 0.0003, 0.5)]
+    assert rows[1]["kernels"] == {"nvjet_badd": 0.0003, "Memcpy DtoD (Device -> Device)": 0.0001}

@@ -171,12 +171,55 @@ def categorize(name: str) -> str:
                  and any(k in low for k in keys)), "elementwise, other")
 
 
+def by_launcher(events, steps: int, top: int = 40) -> list[dict]:
+    """GPU kernel time per step grouped by the operator that launched each kernel and whether it ran in the
+    forward or the backward (an ancestor is an autograd `...Backward` function): where `aten::addmm` in the
+    forward spends its time, memcpys included, which kernel names alone do not say. `events` are the profiler's
+    (`prof.events()`): each launching CPU event carries its kernels (`.kernels`, durations in microseconds)."""
+    from torch.autograd import DeviceType
+
+    groups: dict[tuple[str, str], dict] = {}
+    for e in events:
+        if e.device_type != DeviceType.CPU or not getattr(e, "kernels", None):
+            continue
+        phase, p = "forward", e
+        while p is not None:
+            if "Backward" in p.name or p.name.startswith("autograd::engine"):
+                phase = "backward"
+                break
+            p = p.cpu_parent
+        g = groups.setdefault((e.name[:100], phase), {"seconds": 0.0, "launches": 0, "kernels": {}})
+        for k in e.kernels:
+            s = k.duration / 1e6 / steps
+            g["seconds"] += s
+            g["launches"] += 1
+            g["kernels"][k.name[:100]] = g["kernels"].get(k.name[:100], 0.0) + s
+    rows = [{"op": op, "phase": phase, "seconds": round(g["seconds"], 6), "launches": round(g["launches"] / steps, 1),
+             "kernels": {n: round(v, 6) for n, v in sorted(g["kernels"].items(), key=lambda kv: -kv[1])[:3]}}
+            for (op, phase), g in groups.items()]
+    return sorted(rows, key=lambda r: -r["seconds"])[:top]
+
+
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm", "aten::_grouped_mm")
+
+
+def gemm_shapes(averages, steps: int, cuda: bool, top: int = 30) -> list[dict]:
+    """The matrix products of a profile by input shapes (`key_averages(group_by_input_shape=True)` of a
+    profile with `record_shapes`), time per step on the device (CUDA) or the CPU: which products are the
+    base weights' and which LoRA's thin ones."""
+    rows = [{"op": e.key, "shapes": str(e.input_shapes)[:160], "calls": round(e.count / steps, 1),
+             "seconds": round((e.device_time_total if cuda else e.cpu_time_total) / 1e6 / steps, 6)}
+            for e in averages if e.key in GEMM_OPS]
+    return sorted((r for r in rows if r["seconds"] > 0), key=lambda r: -r["seconds"])[:top]
+
+
 @with_config_threads
 def profile_step(cfg: TuneConfig, steps: int = 3, warmup: int = 2, name: str = "", verbose: bool = True) -> dict:
     """Where one optimizer step of `cfg` spends its time: `torch.profiler` over `steps` steps after `warmup`,
     each kernel's own time (GPU kernels on CUDA, operators on CPU) summed by category (`PROFILE_CATEGORIES`,
-    by name), as shares of the total, with the ten costliest kernels. The first thing to read before making a
-    step faster (issue 14)."""
+    by name), as shares of the total, with the ten costliest kernels; on CUDA also the kernel time by the
+    operator that launched it (`by_launcher`), and the matrix products by shape (`gemm_shapes`). The first
+    thing to read before making a step faster."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -189,7 +232,7 @@ def profile_step(cfg: TuneConfig, steps: int = 3, warmup: int = 2, name: str = "
         sync()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
         t0 = time.perf_counter()
-        with profile(activities=activities) as prof:
+        with profile(activities=activities, record_shapes=True) as prof:
             for _ in range(steps):
                 step()
             sync()
@@ -197,9 +240,13 @@ def profile_step(cfg: TuneConfig, steps: int = 3, warmup: int = 2, name: str = "
     kernels = {}
     for e in prof.key_averages():
         # On CUDA the kernels themselves, not the operators that launched them (an operator's "self device
-        # time" is its kernels' time again: counting both doubled the total). On CPU the operators' own time.
+        # time" is its kernels' time again: counting both doubled the total), nor the ranges that only
+        # annotate them (inductor's "## Call CompiledFxGraph ... ##" spans a compiled graph's kernels). On CPU
+        # the operators' own time.
         if device == "cuda":
-            own = e.self_device_time_total if e.device_type == DeviceType.CUDA else 0.0
+            kernel = e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False) \
+                and not e.key.startswith("## ")
+            own = e.self_device_time_total if kernel else 0.0
         else:
             own = e.self_cpu_time_total if e.key.startswith("aten::") else 0.0
         if own > 0:
@@ -211,16 +258,23 @@ def profile_step(cfg: TuneConfig, steps: int = 3, warmup: int = 2, name: str = "
     breakdown = sorted(({"category": c, "seconds": round(v, 6), "share": round(v / total, 4)}
                         for c, v in by_category.items()), key=lambda r: -r["seconds"])
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:10]
+    launchers = by_launcher(prof.events(), steps) if device == "cuda" else []
     result = new_result(
         name or f"profile_{cfg.preset}", cfg, None, None,
         call=f"bench.profile_step(TuneConfig(**config), {steps}, {warmup}, name={name or 'profile_' + cfg.preset!r})",
         step_wall_s=round(wall, 5), kernel_s_per_step=round(total, 5),
         measure="GPU kernels' own time" if device == "cuda" else "CPU operators' own time",
-        breakdown=breakdown, top=[{"kernel": k[:120], "seconds": round(v, 6), "category": categorize(k)} for k, v in top])
+        breakdown=breakdown, top=[{"kernel": k[:120], "seconds": round(v, 6), "category": categorize(k)} for k, v in top],
+        by_launcher=launchers,
+        gemms=gemm_shapes(prof.key_averages(group_by_input_shape=True), steps, device == "cuda"))
     if verbose:
         print(f"{result['name']}: {1e3 * wall:.1f} ms a step, {1e3 * total:.1f} ms in kernels ({result['measure']})")
         for r in breakdown:
             print(f"  {r['category']:<24} {1e3 * r['seconds']:9.2f} ms  {r['share']:6.1%}")
+        if launchers:
+            print("  by the operator that launched them:")
+        for r in launchers[:8]:
+            print(f"  {1e3 * r['seconds']:9.2f} ms  {r['launches']:6.0f} kernels  {r['op']} ({r['phase']})")
     return result
 
 
