@@ -23,11 +23,14 @@ def _raise_stopped(signum, frame):
 def apply_environment() -> None:
     """What the environment sets for this process, read once by the entry point that owns it (the library never
     reads it at import): TUNEKIT_LORA_BMM=0 computes fused LoRA's FP8 products as plain matmuls
-    (`fastlora.LORA_BMM`), to time both in one session."""
-    if (bmm := os.environ.get("TUNEKIT_LORA_BMM")) is not None:
+    (`fastlora.LORA_BMM`), to time both in one session; TUNEKIT_FP8_FAST_ACCUM=1 lets the FP8 input gradient's
+    matmul accumulate fast (`fastlora.FAST_ACCUM_BACKWARD`)."""
+    bmm, fast = os.environ.get("TUNEKIT_LORA_BMM"), os.environ.get("TUNEKIT_FP8_FAST_ACCUM")
+    if bmm is not None or fast is not None:
         from tunekit import fastlora
 
         fastlora.LORA_BMM = bmm != "0"
+        fastlora.FAST_ACCUM_BACKWARD = fast == "1"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -84,6 +84,9 @@ def mm8(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tens
 # bf16 weights the base product is itself an `mm`, so the fold would only move onto it.) False: plain `mm` (the
 # command line sets it from TUNEKIT_LORA_BMM=0, to time both; a script sets it here).
 LORA_BMM = True
+# The input gradient's FP8 matmul accumulates at full precision, as torchao's rowwise recipe does; True: fast, as the
+# forward's (TUNEKIT_FP8_FAST_ACCUM=1): 1.03x a step on an H100, its gradients not yet checked on a GPU, so off.
+FAST_ACCUM_BACKWARD = False
 
 
 def add_lora(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fp8: bool) -> torch.Tensor:
@@ -115,7 +118,7 @@ def _lora_backward(ctx, dy, x2, xs, weight, w8t, w8t_inv, a, b):
     m = (dy2 @ b) * ctx.scale  # [tokens, r]
     if w8t is not None:
         dq, d_inv = quantize(dy2, -1)
-        dx = mm8(dq, d_inv, w8t.t(), w8t_inv, dy.dtype, fast_accum=False)
+        dx = mm8(dq, d_inv, w8t.t(), w8t_inv, dy.dtype, fast_accum=FAST_ACCUM_BACKWARD)
     else:
         dx = dy2 @ weight.to(dy.dtype)
     dx = add_lora(dx, m, a, w8t is not None)
@@ -379,9 +382,8 @@ def fp8_columns(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @torch.no_grad()
 def detach(model) -> int:
-    """Undo `attach`: peft's forward back on every layer, each grouped member's weight its own tensor again
-    (a merged model saves each weight once), the FP8 and concatenated buffers freed. Returns the layers
-    restored."""
+    """Undo `attach`: peft's forward back on every layer, each grouped member's weight its own tensor again (a
+    merged model saves each weight once), the FP8 and concatenated buffers freed. Returns the layers restored."""
     n = 0
     for module in model.modules():
         for name in [b for b, _ in module.named_buffers(recurse=False) if b.startswith("tk_")]:

@@ -156,6 +156,27 @@ def test_lora_product_as_bmm_gives_the_same_numbers(ids, monkeypatch):
         torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-7, msg=n)
 
 
+def test_fast_accumulation_of_the_input_gradient_is_a_switch(ids, monkeypatch):
+    """The forward's FP8 matmuls accumulate fast, the input gradient's at full precision unless
+    `FAST_ACCUM_BACKWARD` (TUNEKIT_FP8_FAST_ACCUM=1 through the command line) says otherwise."""
+    from tunekit import cli
+
+    model, seen, real = _attach_fp8_cpu(lora_model()), [], fastlora.mm8
+    monkeypatch.setattr(fastlora, "mm8", lambda *a, fast_accum: seen.append(fast_accum) or real(*a, fast_accum=fast_accum))
+    for env, backward in ((None, False), ("1", True), ("0", False)):
+        if env is None:
+            monkeypatch.delenv("TUNEKIT_FP8_FAST_ACCUM", raising=False)
+        else:
+            monkeypatch.setenv("TUNEKIT_FP8_FAST_ACCUM", env)
+        monkeypatch.setattr(fastlora, "FAST_ACCUM_BACKWARD", False)
+        cli.apply_environment()
+        assert fastlora.FAST_ACCUM_BACKWARD is backward and fastlora.LORA_BMM is True
+        seen.clear()
+        loss_and_grads(model, ids)
+        n = len(seen) // 2  # every fused layer: one FP8 matmul forward, one backward
+        assert seen == [True] * n + [backward] * n, (env, seen)
+
+
 def _attach_fp8_cpu(model, group=False):
     """`attach(fp8=True)` on CPU, where no FP8 matmul exists: the same quantized buffers, `mm8` emulating."""
     real = fastlora.fp8_matmul_available
