@@ -270,6 +270,25 @@ def test_fp8_stays_near_bf16(tmp_path):
     assert max(errors.values()) < 0.3, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
 
 
+@pytest.mark.parametrize("fast_accum", [False, True])
+def test_fused_fp8_lora_stays_near_bf16(fast_accum, tmp_path, monkeypatch):
+    """The fused LoRA with FP8 base weights (the recipe's FP8), its input gradient's matmul accumulating at full
+    precision (the default) or fast (TUNEKIT_FP8_FAST_ACCUM=1): within test_fp8_stays_near_bf16's bounds of
+    the fused bf16 step. Widths of 1,024-2,816 only: over a 7B layer's longer sums fast accumulation may lose more."""
+    from tunekit import fastlora, speedups
+
+    if why := speedups.fp8_available():
+        pytest.skip(why)
+    monkeypatch.setattr(fastlora, "FAST_ACCUM_BACKWARD", fast_accum)
+    torch._dynamo.reset()  # the flag is read when the backward is traced
+    cfg = tiny(**MID, device="cuda", out_dir=str(tmp_path), compile="regional", fast_lora=True)
+    (l0, g0, _), (l1, g1, _) = (built_step_result(c, steps=2) for c in (cfg, tiny(**{**config.config_dict(cfg),
+                                                                                        "fp8": True})))
+    assert abs(l1 - l0) / l0 < 1e-2, (l0, l1)
+    errors = {n: float((g1[n] - g0[n]).norm() / g0[n].norm()) for n in g0 if g0[n].norm() > 0}
+    assert errors and max(errors.values()) < 0.3, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 def test_fused_lora_over_4bit_weights_follows_peft_qlora(fp8, tmp_path, monkeypatch):
     """QLoRA with --fast-lora: the 4-bit codes read by bitsandbytes' kernel in eager and by torch operations under
