@@ -146,9 +146,8 @@ class FrozenLoRA(torch.autograd.Function):
 
 class FrozenLoRA4bit(torch.autograd.Function):
     """`FrozenLoRA` over a bitsandbytes 4-bit base (QLoRA): W read from its codes (`nf4.dequantize`) where each
-    matmul needs it, in the forward and again in the backward, never kept; with `fp8` quantized from there to
-    FP8 in the layout that matmul needs (per output row forward, per input column backward). `q` is
-    `nf4.tensors(base)`, `shape` `nf4.shape_of(base)`."""
+    matmul needs it, in the forward and again in the backward, never kept; with `fp8` quantized from there to FP8
+    in the layout that matmul needs (per output row forward, per input column backward). `q`: `nf4.tensors(base)`."""
 
     @staticmethod
     def forward(ctx, x, shape, fp8: bool, scale: float, lora_a, lora_b, *q):
@@ -162,6 +161,7 @@ class FrozenLoRA4bit(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x2, xs, lora_a, lora_b, *q = ctx.saved_tensors
+        q = nf4.tied_to(dy, *q) if torch.compiler.is_compiling() else q  # read here, not kept from the forward
         w = nf4.dequantize(*q, *ctx.qshape, torch.float32 if ctx.fp8 else dy.dtype)
         w8t, w8t_inv = fp8_columns(w) if ctx.fp8 else (None, None)
         dx, grad_a, grad_b = _lora_backward(ctx, dy, x2, xs, w, w8t, w8t_inv, lora_a.to(dy.dtype),

@@ -59,6 +59,16 @@ def shape_of(layer) -> tuple[int, int, int, int]:
     return int(qs.shape[0]), int(qs.shape[1]), int(qs.blocksize), int(qs.state2.blocksize) if qs.nested else 0
 
 
+def tied_to(dy: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`tensors` (of `tensors(layer)`) with the same values, computed from one element of `dy` too. In a compiled
+    backward the weight read from them then depends on the backward's input, so compile's partitioner cannot move
+    that read into the forward and keep a part of it (the codes unpacked, a byte a weight; the scales) until the
+    backward, as it does with what depends on the forward's inputs alone. A NaN in `dy` zeroes them (the gradient
+    is NaN anyway)."""
+    nan = dy.reshape(-1)[:1] != dy.reshape(-1)[:1]  # False: one element read, and nothing to fold away
+    return tuple(t.masked_fill(nan, 0) for t in tensors)
+
+
 def dequantize(codes, table, absmax, table2, absmax2, offset, out_f: int, in_f: int, blocksize: int,
                blocksize2: int, dtype: torch.dtype) -> torch.Tensor:
     """The weight [out_f, in_f] in `dtype` from the tensors of `tensors(layer)` (shapes from `shape_of`): as torch

@@ -163,6 +163,41 @@ def test_compiled_4bit_layer_reads_the_codes_to_the_same_numbers():
         torch.testing.assert_close(g1[n], g0[n], rtol=1e-4, atol=1e-6, msg=n)
 
 
+def saved_for_backward(module, x) -> dict[tuple, int]:
+    """{(shape, dtype): count} of what `module(x)` keeps for its backward, its own parameters and buffers aside."""
+    own = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
+    saved, seen = {}, set()
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in own and ptr not in seen:
+            seen.add(ptr)
+            key = (tuple(t.shape), t.dtype)
+            saved[key] = saved.get(key, 0) + 1
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(x).square().mean().backward()
+    return saved
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fp8", [False, True])
+def test_compiled_4bit_layer_keeps_for_the_backward_what_peft_keeps(fp8):
+    """Under compile the fused layer reads its weight again in the backward (`nf4.tied_to`) rather than keep part of
+    the forward's read: its MLP saves what peft's QLoRA MLP saves, no weight-sized tensor (compile's partitioner
+    had kept the unpacked codes, a byte a weight, or the weight itself)."""
+    x = torch.randn(2, 24, 64, generator=torch.Generator().manual_seed(3))
+    saved = []
+    for attach in (None, attach_fp8_on_cpu if fp8 else fastlora.attach):
+        model = qlora_model()
+        if attach:
+            attach(model)
+        torch._dynamo.reset()
+        saved.append(saved_for_backward(torch.compile(model.base_model.model.model.layers[0].mlp), x))
+    peft, fused = saved
+    assert fused == peft  # the inputs x, x A^T and the activations: no codes, scales or weights
+
+
 def test_speed_up_leaves_a_4bit_model_on_peft_unless_asked_and_then_follows_peft():
     import tunekit
 
