@@ -275,6 +275,9 @@ def profile_step(cfg: TuneConfig, steps: int = 3, warmup: int = 2, name: str = "
             print("  by the operator that launched them:")
         for r in launchers[:8]:
             print(f"  {1e3 * r['seconds']:9.2f} ms  {r['launches']:6.0f} kernels  {r['op']} ({r['phase']})")
+        print("  the costliest matrix products, by input shapes:")
+        for g in result["gemms"][:5]:
+            print(f"  {1e3 * g['seconds']:9.2f} ms  {g['calls']:6.0f} calls    {g['op']} {g['shapes']}")
     return result
 
 
