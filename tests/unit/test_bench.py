@@ -263,12 +263,14 @@ def test_by_launcher_groups_kernels_by_the_operator_and_pass_that_launched_them(
                  kernels=[E(name=n, duration=us) for n, us in kernels])
 
     fwd = ev("## Call CompiledFxGraph abc ##", ev("CompiledFunction"))
-    bwd = ev("## Call CompiledFxGraph def ##", ev("CompiledFunctionBackward", ev("autograd::engine::evaluate_function")))
+    engine = ev("autograd::engine::evaluate_function")
+    bwd = ev("## Call CompiledFxGraph def ##", ev("CompiledFunctionBackward", engine))
     events = [ev("aten::addmm", fwd, [("nvjet_badd", 300.0), ("Memcpy DtoD (Device -> Device)", 200.0)]),
               ev("aten::addmm", fwd, [("nvjet_badd", 300.0)]), ev("aten::mm", bwd, [("nvjet", 1000.0)]),
               ev("aten::mm", fwd, [("nvjet", 600.0)]), fwd, bwd,  # ranges that launch nothing themselves
               ev("nvjet", device=DeviceType.CUDA)]  # the kernels' own device events are not launchers
     rows = by_launcher(events, steps=2)
     assert [(r["op"], r["phase"], r["seconds"], r["launches"]) for r in rows] == [
-        ("aten::mm", "backward", 0.0005, 0.5), ("aten::addmm", "forward", 0.0004, 1.5), ("aten::mm", "forward", 0.0003, 0.5)]
+        ("aten::mm", "backward", 0.0005, 0.5), ("aten::addmm", "forward", 0.0004, 1.5),
+        ("aten::mm", "forward", 0.0003, 0.5)]
     assert rows[1]["kernels"] == {"nvjet_badd": 0.0003, "Memcpy DtoD (Device -> Device)": 0.0001}

@@ -162,7 +162,8 @@ def test_fast_accumulation_of_the_input_gradient_is_a_switch(ids, monkeypatch):
     from tunekit import cli
 
     model, seen, real = _attach_fp8_cpu(lora_model()), [], fastlora.mm8
-    monkeypatch.setattr(fastlora, "mm8", lambda *a, fast_accum: seen.append(fast_accum) or real(*a, fast_accum=fast_accum))
+    monkeypatch.setattr(fastlora, "mm8",
+                        lambda *a, fast_accum: seen.append(fast_accum) or real(*a, fast_accum=fast_accum))
     for env, backward in ((None, False), ("1", True), ("0", False)):
         if env is None:
             monkeypatch.delenv("TUNEKIT_FP8_FAST_ACCUM", raising=False)
