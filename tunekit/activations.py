@@ -18,6 +18,10 @@ saves gate and up, recomputing silu(gate) in backward (2 x 2 B*S*I instead of 3 
 compiled and Liger steps of the Llama-2-7B shape and checked on the Llama-3.1-8B and Qwen2.5-7B shapes (each
 within 3% of its measured peak: tests/unit/test_memory.py). A compiled *full* fine-tune keeps less again (on the
 H200's two such steps the fused estimate is 18-21% high): an overestimate, left as it is and not checked.
+
+Recomputed (`recompute=True`, config `compile_recompute`): a compiled step that recomputes what a matmul reads in
+the backward keeps neither norm's output nor SwiGLU's for the adapters' A, nor the adapters' bf16 copies (counted
+exactly on a tiny compiled model on CPU, tests/unit/test_memory.py; not measured on a GPU).
 """
 
 from __future__ import annotations
@@ -53,7 +57,8 @@ def linear_shapes(hidden: int, heads: int, kv_heads: int, intermediate: int,
 def estimate_layer_activations(hidden: int, heads: int, kv_heads: int, intermediate: int, tokens: int,
                                method: str, lora_r: int = 16, lora_targets: str = "all-linear",
                                input_needs_grad: bool = True, lora_input_cast: bool = True,
-                               scores_per_token: int = 0, head_dim: int = 0, fused: bool = False) -> int:
+                               scores_per_token: int = 0, head_dim: int = 0, fused: bool = False,
+                               recompute: bool = False) -> int:
     """Bytes autograd saves for backward in one Llama decoder layer under bf16 autocast with SDPA (`fused`: as a
     compiled step or Liger's kernels save them, see the module's docstring).
 
@@ -80,9 +85,9 @@ def estimate_layer_activations(hidden: int, heads: int, kv_heads: int, intermedi
     b += (2 if fused else 3) * 2 * T * I  # SwiGLU: gate (silu's input), up, and silu(gate) unless recomputed
     for name in adapted:
         fan_in, fan_out = shapes[name]
-        b += 2 * T * lora_r + 2 * lora_r * (fan_in + fan_out)  # x@A, bf16 copies of A and B
+        b += 2 * T * lora_r + (0 if fused and recompute else 2 * lora_r * (fan_in + fan_out))  # x@A; A, B in bf16
         b += 2 * T * fan_in if lora_input_cast else 0  # the cast makes each adapter's input its own tensor
-    if not lora_input_cast:  # lora_A saves its input as is: the tensors no frozen layer kept already
+    if not lora_input_cast and not (fused and recompute):  # lora_A keeps its input: what no frozen layer kept
         b += 2 * T * H * (bool({"q_proj", "k_proj", "v_proj"} & set(adapted)) +  # the attention norm's output
                           bool({"gate_proj", "up_proj"} & set(adapted)))  # the MLP norm's output
         b += 2 * T * I * ("down_proj" in adapted)  # silu(gate) * up; o_proj's input is attention's saved output
@@ -94,12 +99,12 @@ def estimate_saved_activations(hidden: int, layers: int, heads: int, kv_heads: i
                                lora_targets: str = "all-linear", grad_ckpt: bool = False,
                                lora_input_cast: bool = True, loss: str = "plain", offload: bool = False,
                                stream_bytes: int = 2, scores_per_token: int = 0, head_dim: int = 0,
-                               fused: bool = False) -> dict:
+                               fused: bool = False, recompute: bool = False) -> dict:
     """Bytes held for backward on the GPU at the end of the forward pass: `layers` (decoder layers, or their
     saved inputs under checkpointing, none when offloaded), `rest` (embedding, final norm, LM head, RoPE
     tables, labels) and `log_softmax` (its fp32 output; the chunked loss keeps none), plus `total`.
     `stream_bytes` is the residual stream's dtype size (4 when peft's k-bit preparation upcast it);
-    `scores_per_token`, `head_dim` and `fused` are as in `estimate_layer_activations`."""
+    `scores_per_token`, `head_dim`, `fused` and `recompute` are as in `estimate_layer_activations`."""
     T = batch * seq
     full = method == "full"
     if grad_ckpt:
@@ -108,7 +113,7 @@ def estimate_saved_activations(hidden: int, layers: int, heads: int, kv_heads: i
         per_layer = [estimate_layer_activations(hidden, heads, kv_heads, intermediate, T, method, lora_r,
                                                 lora_targets, input_needs_grad=full or i > 0,
                                                 lora_input_cast=lora_input_cast, scores_per_token=scores_per_token,
-                                                head_dim=head_dim, fused=fused)
+                                                head_dim=head_dim, fused=fused, recompute=recompute)
                      for i in range(layers)]
     rest = 4 * T * hidden + 4 * T  # final norm: fp32 upcast + rstd
     if full:

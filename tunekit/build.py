@@ -153,7 +153,7 @@ def apply_techniques(model, cfg: TuneConfig, device: str, dtype: torch.dtype):
         raise RuntimeError(f"config field 'loss' = 'liger': {why}; use --loss chunked (tunekit's own fused loss).")
     step_module = distributed.parallelize(StepModule(model, cfg.loss, autocast_dtype(device, dtype)), model,
                                           parallel, device, dtype, cfg.fsdp_reshard, cfg.compile,
-                                          speedups.compile_dynamic(cfg.compile, cfg.packing))
+                                          speedups.compile_dynamic(cfg.compile, cfg.packing), cfg.compile_recompute)
     return model, step_module, kernels
 
 

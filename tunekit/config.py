@@ -196,6 +196,11 @@ class TuneConfig:
     """`torch.compile`: `regional` (each decoder block; they share one compiled graph, so it compiles in
     seconds), `model` (the whole step, model and loss: longer to compile; not under FSDP2) or `none`. Padded
     batches are rounded up to a multiple of 64 tokens when compiling, so a run sees few shapes."""
+    compile_recompute: bool = False
+    """With --compile: recompute in the backward the elementwise outputs a matmul reads there (each RMSNorm's
+    output and SwiGLU's, the inputs of the adapters' A) instead of keeping them from the forward: about 0.3 GB a
+    layer less for a 7B step at batch 4 without checkpointing, for some recomputation (compile's partitioner, told
+    not to keep what it would have to materialize again anyway: `speedups.compile_step`). Not measured on a GPU."""
     kernels: str = "none"
     """`liger`: Liger's fused Triton kernels for RMSNorm, RoPE and SwiGLU (GPU only; pair with --loss liger
     for its fused linear cross-entropy). `none`: the model's own."""
@@ -269,8 +274,9 @@ class TuneConfig:
 # data order or the optimizer state. A new `max_steps` recomputes the cosine schedule for the new length (as a
 # new `epochs` does), so the learning rate jumps at the resumed step; training reads no benchmark field.
 RESUME_SAFE_FIELDS = ("max_steps", "epochs", "save_every", "log_every", "keep_checkpoints", "num_workers", "pin_memory",
-                      "compile", "tf32", "gc_freeze", "eval_every", "prefetch_factor", "persistent_workers", "cpu_threads", "bench_warmup", "bench_steps",
-                      "bench_max_steps", "bench_target_error")
+                      "compile", "compile_recompute", "tf32", "gc_freeze", "eval_every", "prefetch_factor",
+                      "persistent_workers", "cpu_threads", "bench_warmup", "bench_steps", "bench_max_steps",
+                      "bench_target_error")
 
 @functools.cache
 def field_types() -> dict[str, type]:

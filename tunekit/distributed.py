@@ -156,18 +156,18 @@ def choose_parallel(requested: str, method: str) -> str:
 
 
 def parallelize(step_module: torch.nn.Module, model, parallel: str, device: str, dtype: torch.dtype,
-                reshard: bool = True, compile: str = "none", dynamic: bool | None = None):
+                reshard: bool = True, compile: str = "none", dynamic: bool | None = None, recompute: bool = False):
     """Compile and wrap `step_module` (the model and its loss, `train.StepModule`) for the launched world: the
     one place where compilation and parallelism are applied, in torchtitan's order — checkpointing (already in
     the model), then `compile` (`speedups.compile_step`: `regional` or `model`), then DDP or FSDP2. `reshard`:
     FSDP2 frees each block's gathered weights after its forward (config `fsdp_reshard`); `dynamic`, torch.compile's
-    (`speedups.compile_dynamic`). Returns what to call:
+    (`speedups.compile_dynamic`), and `recompute`, its partitioner's (config `compile_recompute`). Returns what to call:
     `step_module` itself, compiled or not, when not distributed."""
     sharded = parallel == "fsdp" and dist.is_initialized() and dist.get_world_size() > 1
     if compile == "model" and sharded:
         raise ValueError("config field 'compile' = 'model': under FSDP2 each decoder block's hooks gather its "
                          "weights, which one whole-model graph cannot hold; use --compile regional")
-    step_module = compile_step(step_module, model, compile, dynamic)
+    step_module = compile_step(step_module, model, compile, dynamic, recompute)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return step_module
     if parallel == "ddp":

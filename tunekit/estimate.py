@@ -94,7 +94,8 @@ def estimate_memory(hidden: int, layers: int, heads: int, kv_heads: int, interme
                     offload: bool = False, kbit_prepare: bool = False, embed_offload: bool = False,
                     attention_scores: bool = False, world_size: int = 1, parallel: str = "ddp",
                     fsdp_reshard: bool = True, head_dim: int = 0, tie_embeddings: bool = False,
-                    layer_extras: int = 0, fused: bool = False, fp8_weights: bool = False) -> dict:
+                    layer_extras: int = 0, fused: bool = False, fp8_weights: bool = False,
+                    recompute: bool = False) -> dict:
     """Predict the peak GPU memory (bytes, as `torch.cuda.max_memory_allocated` reports it) of one training
     step of a Llama-shaped model with tunekit's loop, before loading anything. See the module docstring.
 
@@ -107,7 +108,8 @@ def estimate_memory(hidden: int, layers: int, heads: int, kv_heads: int, interme
     `head_dim` (0: hidden / heads), `tie_embeddings` (one table for the embeddings and the LM head) and
     `layer_extras` (a block's weights beyond its seven projections and two norms) are as the model's config has
     them (`model.config_shape`). `fused`: the activations a compiled step or Liger's kernels save
-    (`tunekit.activations`). `fp8_weights`: the fused LoRA's FP8 base weights (`fastlora.attach(fp8=True)`), two
+    (`tunekit.activations`); `recompute`, what it keeps when it recomputes the matmuls' elementwise inputs (config
+    `compile_recompute`). `fp8_weights`: the fused LoRA's FP8 base weights (`fastlora.attach(fp8=True)`), two
     copies of a byte a weight beside the bf16 ones.
 
     Returns the named parts, `total` (the predicted peak), `peak_at` (which moment of the step it is),
@@ -151,7 +153,7 @@ def estimate_memory(hidden: int, layers: int, heads: int, kv_heads: int, interme
     saved = estimate_saved_activations(hidden, layers, heads, kv_heads, intermediate, vocab, seq, batch,
                                        method, lora_r, lora_targets, grad_ckpt, lora_input_cast, loss, offload,
                                        stream_bytes=other_bytes, scores_per_token=scores, head_dim=head_dim,
-                                       fused=fused)
+                                       fused=fused, recompute=recompute)
     parts["activations"] = saved["layers"] + saved["rest"]
     # the block backward recomputes keeps what an eager one saves, compiled or not (on the H200 a checkpointed
     # QLoRA step peaks higher compiled than eager: 12.69 against 12.36 GB)
@@ -227,6 +229,7 @@ class Setup:
     head_dim: int = 0
     tie_embeddings: bool = False
     compile: str = "none"
+    compile_recompute: bool = False
     kernels: str = "none"
     fp8: bool = False
     fast_lora: bool = False
@@ -283,7 +286,8 @@ def estimate_memory_for(setup: Setup | None = None, /, *args, **fields) -> dict:
                            world_size=s.world_size, parallel=choose_parallel(s.parallel, s.method),
                            fsdp_reshard=s.fsdp_reshard, head_dim=s.head_dim, tie_embeddings=s.tie_embeddings,
                            layer_extras=s.layer_extras, fused=s.compile != "none" or s.kernels == "liger",
-                           fp8_weights=s.fp8 and s.fast_lora and s.method != "qlora")  # 4-bit: read at each use
+                           fp8_weights=s.fp8 and s.fast_lora and s.method != "qlora",  # 4-bit: read at each use
+                           recompute=s.compile_recompute and s.compile != "none")
 
 
 def parameter_count(setup: Setup) -> int:

@@ -73,6 +73,9 @@ def cannot_fit_message(setup: Setup, budget_bytes: float, reserve_factor: float 
               f"{reserve_factor:g}x it (reserved) does.")]
     budget_bytes = budget_bytes / reserve_factor  # from here on, compare allocated peaks
     options: list[tuple[str, dict]] = []
+    if setup.compile != "none" and not setup.grad_ckpt and not setup.compile_recompute:
+        options.append(("--compile-recompute (the matmuls' elementwise inputs recomputed)",
+                        {"compile_recompute": True}))
     if not setup.grad_ckpt:
         options.append(("--grad-ckpt (recompute activations in backward)", {"grad_ckpt": True}))
     if setup.method in ("full", "lora"):

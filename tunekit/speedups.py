@@ -83,7 +83,8 @@ def frozen_heap(enabled: bool = True):
 
 # ---- compilation -----------------------------------------------------------------------------------------
 
-def compile_step(step_module: torch.nn.Module, model, mode: str, dynamic: bool | None = None) -> torch.nn.Module:
+def compile_step(step_module: torch.nn.Module, model, mode: str, dynamic: bool | None = None,
+                 recompute: bool = False) -> torch.nn.Module:
     """Compile the step for `mode` and return what to call:
 
     - `regional`: each decoder block's `forward` goes through `torch.compile` (inductor). The blocks run the
@@ -103,9 +104,16 @@ def compile_step(step_module: torch.nn.Module, model, mode: str, dynamic: bool |
     one width, padded batches are rounded up to a multiple of `PAD_MULTIPLE` tokens (`compile_pad_multiple`).
     `dynamic=True` compiles for every shape at once (torch.compile's own flag), for batches whose shape a
     trainer of someone else's varies.
+
+    `recompute`: compile's partitioner, choosing what the forward keeps for the backward, keeps by default every
+    value the backward would have to write out again (an input of a matmul: each RMSNorm's output and SwiGLU's,
+    which the adapters' A read): with `recompute` it recomputes those from what it keeps anyway (less memory,
+    more elementwise work). It is a process-wide setting of the partitioner, read when a graph compiles: set
+    here at every call, so the last compiled step decides.
     """
     if mode not in COMPILE:
         raise ValueError(f"compile {mode!r}: choose one of {', '.join(COMPILE)}")
+    torch._functorch.config.ban_recompute_materialized_backward = not recompute
     if mode == "regional":
         for layer in decoder_layers(model):
             layer.forward = torch.compile(layer.forward, dynamic=dynamic)

@@ -67,6 +67,8 @@ def check(cfg) -> None:
     names = [b.strip() for b in cfg.sdpa_backend.split(",")]
     need(cfg.sdpa_backend == "auto" or (all(names) and set(names) <= set(SDPA_BACKENDS)), "sdpa_backend",
          f"use auto or a comma-separated list of {', '.join(SDPA_BACKENDS)}")
+    need(cfg.compile != "none" or not cfg.compile_recompute, "compile_recompute",
+         "tells the compiler what to recompute: add --compile regional (or model)")
     need(cfg.grad_ckpt or not cfg.grad_ckpt_offload, "grad_ckpt_offload",
          "offloads what checkpointing saves; turn on --grad-ckpt too")
     need(cfg.method != "full" or not cfg.embed_offload, "embed_offload",

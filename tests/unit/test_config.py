@@ -230,6 +230,7 @@ def test_lowmem_preset_is_valid_and_names_its_savers():
     ({"sdpa_backend": "cudnn,turbo"}, "sdpa_backend"),
     ({"loss": "fused"}, "loss"),
     ({"optimizer": "sgd"}, "optimizer"),
+    ({"compile_recompute": True}, "compile_recompute"),  # tells a compiler that is not there what to recompute
 ])
 def test_lesson2_fields_reject_bad_combinations(overrides, field):
     with pytest.raises(ConfigError, match=f"'{field}'"):

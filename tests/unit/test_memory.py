@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import small_model
 
-from tunekit import activations, config, estimate, fitting, memory, validation
+from tunekit import activations, config, estimate, fitting, memory, speedups, validation
 from tunekit import model as mdl
 from tunekit.build import build_training_model
 from tunekit.data.batching import Collator
@@ -111,10 +111,12 @@ EST_ARCH = {"hidden": 64, "heads": 4, "kv_heads": 2, "intermediate": 160, "vocab
 BATCH, SEQ, RANK = 2, 48, 8
 
 
-def measure_saved_bytes(layers: int, method: str, ckpt: bool, peft_cast: bool = True) -> int:
+def measure_saved_bytes(layers: int, method: str, ckpt: bool, peft_cast: bool = True,
+                        recompute: bool | None = None) -> int:
     """Bytes held for backward at the end of a bf16-autocast forward + loss: unique storages of the tensors
     autograd saves (saved_tensors_hooks), plus, under checkpointing, the inputs each checkpointed block
-    keeps for its recomputation (checkpoint's own hooks hide the block's saves from ours)."""
+    keeps for its recomputation (checkpoint's own hooks hide the block's saves from ours). `recompute` not None:
+    each block compiled (regional), its partitioner recomputing the matmuls' elementwise inputs or not."""
     a = EST_ARCH
     cfg = mdl.llama_config(a["hidden"], layers, a["heads"], a["intermediate"], a["vocab"], a["kv_heads"])
     model = mdl.build_model(cfg, dtype=torch.bfloat16, seed=0)
@@ -122,6 +124,9 @@ def measure_saved_bytes(layers: int, method: str, ckpt: bool, peft_cast: bool = 
         model = mdl.apply_lora(model, r=RANK, alpha=2 * RANK)
     if ckpt:
         memory.apply_gradient_checkpointing(model)
+    if recompute is not None:
+        torch._dynamo.reset()
+        speedups.compile_step(model, model, "regional", recompute=recompute)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 
@@ -176,6 +181,30 @@ def test_estimated_activations_match_saved_tensors(method, ckpt):
         formula = activations.estimate_layer_activations(a["hidden"], a["heads"], a["kv_heads"],
                                                       a["intermediate"], BATCH * SEQ, method, RANK)
         assert formula == pytest.approx(per_layer, rel=0.01)
+
+
+@pytest.mark.slow
+def test_compile_recompute_keeps_neither_norm_nor_swiglu_output_for_the_adapters():
+    """Compiled, each block keeps less with `compile_recompute`: by exactly the two norms' outputs and SwiGLU's
+    (2 x 2 B*S*H + 2 B*S*I bytes), which the adapters' A read in the backward, and the adapters' bf16 copies,
+    all of which the partitioner now recomputes; the estimate drops by as much. The flag is put back as
+    compile_step leaves it by default."""
+    per_layer = {}
+    try:
+        for recompute in (False, True):
+            saved = {n: measure_saved_bytes(n, "lora", False, peft_cast=False, recompute=recompute) for n in (1, 3)}
+            per_layer[recompute] = (saved[3] - saved[1]) / 2
+    finally:
+        speedups.compile_step(torch.nn.Linear(1, 1), None, "none")
+        torch._dynamo.reset()
+    a, T = EST_ARCH, BATCH * SEQ
+    shapes = activations.linear_shapes(a["hidden"], a["heads"], a["kv_heads"], a["intermediate"]).values()
+    copies = sum(2 * RANK * (fan_in + fan_out) for fan_in, fan_out in shapes)
+    assert per_layer[False] - per_layer[True] == 2 * 2 * T * a["hidden"] + 2 * T * a["intermediate"] + copies
+    estimate = {r: activations.estimate_layer_activations(a["hidden"], a["heads"], a["kv_heads"], a["intermediate"],
+                                                           T, "lora", RANK, lora_input_cast=False, fused=True,
+                                                           recompute=r) for r in (False, True)}
+    assert estimate[False] - estimate[True] == per_layer[False] - per_layer[True]
 
 
 def test_peft_input_cast_costs_a_bf16_copy_per_adapted_linear():
