@@ -113,7 +113,13 @@ def compile_step(step_module: torch.nn.Module, model, mode: str, dynamic: bool |
     """
     if mode not in COMPILE:
         raise ValueError(f"compile {mode!r}: choose one of {', '.join(COMPILE)}")
-    torch._functorch.config.ban_recompute_materialized_backward = not recompute
+    import torch._functorch.config as partitioner
+
+    if hasattr(partitioner, "ban_recompute_materialized_backward"):
+        partitioner.ban_recompute_materialized_backward = not recompute
+    elif recompute:
+        raise RuntimeError(f"compile_recompute: this torch ({torch.__version__}) has no setting for what compile's "
+                           "partitioner recomputes; upgrade torch or leave --compile-recompute off")
     if mode == "regional":
         for layer in decoder_layers(model):
             layer.forward = torch.compile(layer.forward, dynamic=dynamic)
