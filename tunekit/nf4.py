@@ -65,7 +65,8 @@ def tied_to(dy: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...
     that read into the forward and keep a part of it (the codes unpacked, a byte a weight; the scales) until the
     backward, as it does with what depends on the forward's inputs alone. A NaN in `dy` zeroes them (the gradient
     is NaN anyway)."""
-    nan = dy.reshape(-1)[:1] != dy.reshape(-1)[:1]  # False: one element read, and nothing to fold away
+    first = dy[(0,) * dy.dim()]  # a view of one element, whatever dy's strides (a reshape could copy all of dy)
+    nan = (first != first).reshape(1)  # False: nothing a compiler can fold away
     return tuple(t.masked_fill(nan, 0) for t in tensors)
 
 
