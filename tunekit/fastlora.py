@@ -36,10 +36,10 @@ A QLoRA base (bitsandbytes' 4-bit `Linear4bit`) keeps its 4-bit codes and nothin
 (`nf4.dequantize`) where each matmul needs the weight, and with FP8 into FP8 straight away, so QLoRA's memory gets
 FP8's matmuls. 4-bit layers are not grouped.
 
-`attach` swaps the forward of each peft LoRA `Linear` (a plain `nn.Linear` or 4-bit base, frozen with its bias if it has
-one, one adapter, no dropout) for this one; the parameters, the saved adapter and `merge_and_unload` are peft's, unchanged. A merged or disabled
-adapter goes back to peft's forward. tests/unit/test_fastlora.py checks the loss and gradients against peft's path:
-equal in fp32, within FP8's rounding with FP8.
+`attach` swaps the forward of each peft LoRA `Linear` (a plain `nn.Linear` or 4-bit base, frozen with its bias if
+it has one, one adapter, no dropout) for this one; the parameters, the saved adapter and `merge_and_unload` are
+peft's, unchanged. A merged or disabled adapter goes back to peft's forward. tests/unit/test_fastlora.py checks the
+loss and gradients against peft's path: equal in fp32, within FP8's rounding with FP8.
 """
 
 from __future__ import annotations
@@ -228,9 +228,8 @@ class Group:
         name = self.members[0].active_adapters[0]
         p = self.parent
         loras = [t for m in self.members for t in (m.lora_A[name].weight, m.lora_B[name].weight)]
-        out = GroupLoRA.apply(_autocast_input(x), p.tk_group_w, getattr(p, "tk_group_w8", None), getattr(p, "tk_group_w8_inv", None),
-                              getattr(p, "tk_group_w8t", None), getattr(p, "tk_group_w8t_inv", None),
-                              self.members[0].scaling[name], *loras)
+        w8 = [getattr(p, f"tk_group_{t}", None) for t in FP8_BUFFERS]  # None for bf16 weights
+        out = GroupLoRA.apply(_autocast_input(x), p.tk_group_w, *w8, self.members[0].scaling[name], *loras)
         if (bias := getattr(p, "tk_group_b", None)) is not None:
             out = out + bias.to(out.dtype)
         outs = out.split(self.sizes, dim=-1)
@@ -251,10 +250,10 @@ def _forward(self, x, *args, **kwargs):
         q = [getattr(base, f"tk_nf4_{t}") for t in NF4_TENSORS]
         out = FrozenLoRA4bit.apply(_autocast_input(x), shape, base.tk_nf4_fp8, self.scaling[name],
                                    self.lora_A[name].weight, self.lora_B[name].weight, *q)
-        return out if base.bias is None else out + base.bias.to(out.dtype)
-    out = FrozenLoRA.apply(_autocast_input(x), base.weight, getattr(base, "tk_w8", None), getattr(base, "tk_w8_inv", None),
-                           getattr(base, "tk_w8t", None), getattr(base, "tk_w8t_inv", None),
-                           self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name])
+    else:
+        w8 = [getattr(base, f"tk_{t}", None) for t in FP8_BUFFERS]
+        out = FrozenLoRA.apply(_autocast_input(x), base.weight, *w8, self.lora_A[name].weight,
+                               self.lora_B[name].weight, self.scaling[name])
     # A frozen base bias (Qwen2's q/k/v) is added outside: it needs no gradient, and under compile the add fuses
     return out if base.bias is None else out + base.bias.to(out.dtype)
 
@@ -279,6 +278,7 @@ def why_not(module) -> str:
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # siblings that read one input
 NF4_TENSORS = ("codes", "table", "absmax", "table2", "absmax2", "offset")  # nf4.tensors, as buffers of the base
+FP8_BUFFERS = ("w8", "w8_inv", "w8t", "w8t_inv")  # `_register_fp8`'s, after a prefix
 
 
 def _groups(model, layers) -> list[Group]:
@@ -363,7 +363,7 @@ def attach(model, fp8: bool = False, group: bool = False) -> str:
 
 def _register_fp8(module, weight, prefix: str) -> None:
     """`weight` in FP8 on `module` in both layouts (`fp8_rows`, `fp8_columns`), as non-persistent buffers."""
-    for name, t in zip(("w8", "w8_inv", "w8t", "w8t_inv"), (*fp8_rows(weight), *fp8_columns(weight))):
+    for name, t in zip(FP8_BUFFERS, (*fp8_rows(weight), *fp8_columns(weight))):
         module.register_buffer(prefix + name, t, persistent=False)
 
 
