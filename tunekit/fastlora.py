@@ -84,8 +84,8 @@ def mm8(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tens
 # bf16 weights the base product is itself an `mm`, so the fold would only move onto it.) False: plain `mm` (the
 # command line sets it from TUNEKIT_LORA_BMM=0, to time both; a script sets it here).
 LORA_BMM = True
-# The input gradient's FP8 matmul accumulates at full precision, as torchao's rowwise recipe does; True: fast, as the
-# forward's (TUNEKIT_FP8_FAST_ACCUM=1): 1.03x a step on an H100, its gradients not yet checked on a GPU, so off.
+# FP8 input gradients accumulate at full precision, as torchao's rowwise recipe; TUNEKIT_FP8_FAST_ACCUM=1: fast,
+# 1.04x the 7B step (H100), in FP8's gradient bounds (GPU test -k fused_fp8); off: the FP8 band's runs went without.
 FAST_ACCUM_BACKWARD = False
 
 

@@ -237,6 +237,17 @@ def lesson5_runs(gpu: bool) -> list[tuple[str, list[str], dict]]:
             ("l5_tunekit_24gb", ["--preset", "tunekit_recipe", "--fp8", "false"], {"TUNEKIT_MEMORY_GB": "24"})]
 
 
+def band_runs(gpu: bool) -> list[tuple[str, list[str], dict]]:
+    """Whole runs of tunekit's recipe in bf16 and with FP8 base weights, at seeds 0 and 1 (`runlog.fp8_band`:
+    whether FP8 learns within what changing the seed alone moves). Four runs of three epochs: about 15 minutes
+    on an H100. In smoke mode: the tiny stand-ins, FP8 left off (it needs a GPU)."""
+    if not gpu:
+        return [(f"l5c_{kind}_s{seed}", [*SMOKE, "--seed", str(seed)], {}) for kind in ("bf16", "fp8")
+                for seed in (0, 1)]
+    return [(f"l5c_{kind}_s{seed}", ["--preset", "tunekit_recipe", "--fp8", str(kind == "fp8").lower(), "--seed",
+                                     str(seed)], {}) for kind, seed in (("bf16", 0), ("fp8", 0), ("bf16", 1), ("fp8", 1))]
+
+
 def model_folder(runs: list[tuple[str, list[str], dict]] | None = None) -> Path | None:
     """The folder of the whole run whose trained model lesson 5 looks at (generates with, scores, exports): the
     last of `runs` (default `lesson5_runs`) that finished here and kept its adapter, tunekit's recipe's where it
@@ -404,7 +415,8 @@ def recipes_by_memory(cards=CARDS, preset: str = "tunekit_recipe") -> list[dict]
 # ---- a run that outlives the command that started it -----------------------------------------------------
 
 def main(argv: list[str]) -> int:
-    # python -m tunekit_course.fullrun BUDGET_SECONDS [NAME,NAME]                      lesson 5's whole runs
+    # python -m tunekit_course.fullrun BUDGET_SECONDS [NAME,NAME]                      lesson 5's whole runs (or
+    #   the FP8 band's by name: l5c_bf16_s0,l5c_fp8_s0,l5c_bf16_s1,l5c_fp8_s1)
     # python -m tunekit_course.fullrun NAME BUDGET_SECONDS TRAIN_ARGS...               one whole run's segment
     # python -m tunekit_course.fullrun --rederive FOLDER HEADER.json OUT.json [NAME]   a run brought back
     # (exit code 3: not all finished, go on in the next command; `tunekit_course.detach` runs any of these in a
@@ -415,7 +427,8 @@ def main(argv: list[str]) -> int:
     gpu = on_gpu()
     if len(argv) in (1, 2) and argv[0].replace(".", "", 1).isdigit():
         runs = lesson5_runs(gpu)
-        if len(argv) == 2:  # only these of them
+        if len(argv) == 2:  # only these of them, lesson 5's or the FP8 band's (`band_runs`)
+            runs += band_runs(gpu)
             wanted = argv[1].split(",")
             if unknown := set(wanted) - {name for name, _, _ in runs}:
                 here = "" if gpu else " (no GPU here, or TUNEKIT_SMOKE=1: the tiny stand-ins)"

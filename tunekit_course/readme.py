@@ -65,6 +65,32 @@ def whole_runs_table(rs: dict[str, dict]) -> str:
     return "\n".join(rows)
 
 
+def fp8_band_table(rs: dict[str, dict]) -> str:
+    """The whole runs of tunekit's recipe in bf16 and FP8 at two seeds (`fullrun.band_runs`), a row each, and what
+    they say of FP8 against bf16's run-to-run band (`runlog.describe_fp8_band`); "unmeasured" rows where a run has
+    no result."""
+    from tunekit_course.fullrun import band_runs
+    from tunekit_course.runlog import describe_fp8_band
+
+    rows = ["| name | base weights | seed | GPU | wall-clock, min | steady real tok/s (p10–p90) | peak GB | "
+            "held-out loss after each epoch | commit |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, args, _ in band_runs(True):
+        kind, seed = ("FP8" if "fp8" in name else "bf16"), args[args.index("--seed") + 1]
+        if (r := rs.get(name)) is None:
+            rows.append(f"| {name} | {kind} | {seed} | | unmeasured | | | | |")
+            continue
+        spread = r.get("tok_per_s_p10_p90")
+        tps = f"{r['tokens_per_s']:,.0f}" + (f" ({spread[0]:,.0f}–{spread[1]:,.0f})" if spread else "")
+        losses = ", ".join(f"{loss:.3f}" for _, loss in r.get("eval_losses") or []) or "-"
+        rows.append(f"| {name} | {kind} | {seed} | {(r.get('gpu') or '-').removeprefix('NVIDIA ')} | "
+                    f"{r['wall_s'] / 60:.1f} | {tps} | {r['peak_memory_gb']:.1f} | {losses} | "
+                    f"{(r.get('commit') or '-')[:7]} |")
+    fp8s, bf16s = ([rs[n] for n, _, _ in band_runs(True) if n in rs and kind in n] for kind in ("fp8", "bf16"))
+    if fp8s and bf16s:
+        rows.append(f"\n{describe_fp8_band(fp8s, bf16s)}.")
+    return "\n".join(rows)
+
+
 def headline(rs: dict[str, dict]) -> str:
     """The article's headline claim (C16) as lesson 5 measured it, for the top of the README."""
     v = judge("C16", rs)
@@ -78,7 +104,7 @@ def render_readme(text: str, rs: dict[str, dict]) -> str:
     from tunekit_course.trl_race import trl_table
 
     blocks = {"headline": headline(rs), "results": format_table(sorted(step_results(rs), key=lambda r: r["name"])),
-              "epochs": whole_runs_table(rs), "waterfall": waterfall.table(rs),
+              "epochs": whole_runs_table(rs), "fp8band": fp8_band_table(rs), "waterfall": waterfall.table(rs),
               "claims": claims_table(rs, targets=False), "targets": targets_table(rs),
               "reference": reference_table(rs), "speedpush": speed_table(rs),
               "trl": trl_table(rs), "families": families.table()}

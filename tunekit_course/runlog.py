@@ -146,3 +146,66 @@ def describe_fp8(fp8: dict, bf16: dict) -> str:
             f"{c['steps']} steps): the training losses, each a {c['window']}-step mean, differ by at most "
             f"{abs(c['largest_gap']):.3f} nats (FP8 {'higher' if c['largest_gap'] > 0 else 'lower'}), "
             f"{c['last_gap']:+.3f} at the last step" + (f"; held-out loss {held}" if held else ""))
+
+
+def _smoothed(r: dict, window: int) -> dict[int, float]:
+    """{step: the mean training loss of the `window` logged steps ending there} of result `r`'s curve."""
+    steps, losses = zip(*((row[0], row[1]) for row in r.get("curve") or [])) if r.get("curve") else ((), ())
+    return {steps[i]: sum(losses[i - window + 1:i + 1]) / window for i in range(window - 1, len(steps))}
+
+
+def fp8_band(fp8s: list[dict], bf16s: list[dict], window: int = 20) -> dict | None:
+    """Whether FP8 base weights learn within bf16's run-to-run band: whole runs of one recipe in bf16 at two or
+    more seeds (their spread is the band: what changing the seed alone moves), and FP8 at some of those seeds,
+    each against the bf16 run of its own seed, which trained on the same batches from the same weights (so the
+    gap is FP8's arithmetic alone). Held out: after each evaluation every run reached, the band (the largest
+    minus the smallest bf16 loss) and each seed's gap (FP8 minus bf16). Training: the losses as `window`-step
+    means, at each step every run logged, the band's mean and smallest and each gap's mean and largest. None
+    unless there are two bf16 seeds and an FP8 run with a bf16 run of its seed on the same batches."""
+    seed = lambda r: (r.get("config") or {}).get("seed")
+    bf16 = {seed(r): r for r in bf16s}
+    pairs = [(f, bf16[seed(f)]) for f in fp8s if seed(f) in bf16 and same_batching(f, bf16[seed(f)])]
+    if len(bf16) < 2 or not pairs:
+        return None
+    evals = [dict(r.get("eval_losses") or []) for r in (*bf16.values(), *(f for f, _ in pairs))]
+    held = []
+    for step in sorted(set.intersection(*(set(e) for e in evals))):
+        losses = [b["eval_losses"] for b in bf16.values()]
+        band = max(dict(e)[step] for e in losses) - min(dict(e)[step] for e in losses)
+        held.append({"step": step, "band": band,
+                     "gaps": {seed(f): dict(f["eval_losses"])[step] - dict(b["eval_losses"])[step] for f, b in pairs}})
+    smooth = {id(r): _smoothed(r, window) for r in (*bf16.values(), *(f for f, _ in pairs))}
+    steps = sorted(set.intersection(*(set(s) for s in smooth.values())))
+    if not steps:
+        return None
+    bands = [max(smooth[id(b)][s] for b in bf16.values()) - min(smooth[id(b)][s] for b in bf16.values())
+             for s in steps]
+    gaps = {seed(f): [smooth[id(f)][s] - smooth[id(b)][s] for s in steps] for f, b in pairs}
+    return {"seeds": sorted(bf16), "fp8_seeds": [seed(f) for f, _ in pairs], "steps": len(steps), "window": window,
+            "held_out": held, "within": all(abs(g) <= h["band"] for h in held for g in h["gaps"].values()),
+            "train_band": {"mean": sum(bands) / len(bands), "least": min(bands)},
+            "train_gaps": {s: {"mean": sum(g) / len(g), "largest": max(g, key=abs)} for s, g in gaps.items()},
+            "names": {"bf16": [b["name"] for b in bf16.values()], "fp8": [f["name"] for f, _ in pairs]}}
+
+
+def describe_fp8_band(fp8s: list[dict], bf16s: list[dict]) -> str:
+    """`fp8_band` as a sentence for the lesson, or why it cannot be said."""
+    c = fp8_band(fp8s, bf16s)
+    if c is None:
+        return ("FP8 against bf16's run-to-run band needs bf16 runs at two seeds and an FP8 run at one of them, on "
+                "the same batches: " + ", ".join(r["name"] for r in (*fp8s, *bf16s)) + " are not that")
+    seeds = " and ".join(str(s) for s in c["seeds"])
+    gaps = [abs(g) for h in c["held_out"] for g in h["gaps"].values()]
+    bands = [h["band"] for h in c["held_out"]]
+    held = (f"held-out loss after each of {len(c['held_out'])} evaluations within {max(gaps):.3f} nats of bf16 at "
+            f"the same seed, where bf16's seeds {seeds} differ by {min(bands):.3f}-{max(bands):.3f}: "
+            + ("inside bf16's run-to-run band at every point" if c["within"] else "outside bf16's run-to-run band "
+               "at some point")) if c["held_out"] else "no held-out loss both reached"
+    means = [g["mean"] for g in c["train_gaps"].values()]
+    side = "higher" if all(m > 0 for m in means) else "lower" if all(m < 0 for m in means) else "either side"
+    train = (f"training loss ({c['window']}-step means, {c['steps']} steps): FP8 {side} than bf16 of its seed by "
+             f"{min(abs(m) for m in means):.3f}-{max(abs(m) for m in means):.3f} on average, at most "
+             f"{max(abs(g['largest']) for g in c['train_gaps'].values()):.3f}, where the bf16 seeds differ by "
+             f"{c['train_band']['mean']:.3f} on average")
+    return (f"FP8 base weights against bf16, whole runs of the same recipe at seeds {seeds} (FP8 at "
+            f"{' and '.join(str(s) for s in c['fp8_seeds'])}, each on its bf16 run's batches): {held}; {train}")

@@ -90,6 +90,13 @@ BARS = [(f"b{i:02d}", label, result(f"b{i:02d}", tps=2_000 * 1.2 ** i, tok_per_s
                                    "bf16 LoRA instead of QLoRA, a long label to wrap no bar"))]
 
 # one call a chart function, each on hand-made data with the fields the measuring code saves
+def band_run(kind: str, seed: int, shift: float) -> dict:
+    """A whole run of 60 steps for `charts.fp8_band`: its loss falling, `shift` nats above the others'."""
+    return {"name": f"{kind}_{seed}", "config": {"seed": seed},
+            "curve": [[s, 10.0 - s / 10 + shift + 0.05 * (s % 3), 1.0, 1.0] for s in range(1, 61)],
+            "eval_losses": [[30, 7.0 + shift], [60, 4.0 + shift]]}
+
+
 CASES = {
     "bars": lambda: charts.bars(two_sides(STEPS[:3]), ["a_lora_b4", "a_lora_ckpt_b8", "a_qlora_ckpt_b8", "missing"],
                                 keys=("tokens_per_s", "peak_memory_gb"), title="the step, yours and published",
@@ -128,6 +135,8 @@ CASES = {
                    grad_ckpt_offload=True, embed_offload=True, optimizer="adamw8bit"),
         comparison("s_qwen", "lora", 4, {"hf_peft": (12_300, 86), "tunekit": (16_400, 54), "unsloth": (17_300, 47)},
                    preset="qwen25_7b_lora")], labels={"s_qlora_b1": "QLoRA, batch 1, the least memory"}),
+    "fp8_band": lambda: charts.fp8_band([band_run("FP8", 0, 0.01), band_run("FP8", 1, 0.012)],
+                                        [band_run("bf16", 0, 0.0), band_run("bf16", 1, 0.04)]),
     "whole_runs": lambda: charts.whole_runs({HERE: WHOLE, PUB: WHOLE},
                                             {"w_before": "the article's before", "w_checklist": "its checklist",
                                              "w_tunekit": "tunekit's recipe"}, title="GSM8K, one epoch",

@@ -120,7 +120,7 @@ def test_reference_table_marks_cited_figures():
 
 def test_render_readme_replaces_blocks_and_needs_them():
     text = "a\n<!-- headline:start -->\n<!-- headline:end -->\n<!-- epochs:start -->\n<!-- epochs:end -->\n" \
-           "<!-- waterfall:start -->\n<!-- waterfall:end -->\n" \
+           "<!-- fp8band:start -->\n<!-- fp8band:end -->\n<!-- waterfall:start -->\n<!-- waterfall:end -->\n" \
            "<!-- results:start -->\nOLD-BLOCK\n<!-- results:end -->\n<!-- claims:start -->\n<!-- claims:end -->\n" \
            "<!-- targets:start -->\n<!-- targets:end -->\n" \
            "<!-- reference:start -->\n<!-- reference:end -->\n<!-- speedpush:start -->\n<!-- speedpush:end -->\n" \
@@ -135,6 +135,8 @@ def test_render_readme_replaces_blocks_and_needs_them():
     assert "| Qwen2 / 2.5 (`Qwen/Qwen2.5-7B`) | a bias on q/k/v | ✓ |" in out  # families.table()
     waterfall_block = out.split("<!-- waterfall:start -->")[1].split("<!-- waterfall:end -->")[0]
     assert "| the article's before | unmeasured | | | |" in waterfall_block  # no bars: each said to be missing
+    band_block = out.split("<!-- fp8band:start -->")[1].split("<!-- fp8band:end -->")[0]
+    assert "| l5c_fp8_s1 | FP8 | 1 | | unmeasured |" in band_block and "run-to-run" not in band_block  # no runs
     assert out.startswith("a\n") and out.endswith("z\n")
     assert readme.render_readme(out, {}) == out
     with pytest.raises(ValueError, match="headline:start"):

@@ -222,3 +222,40 @@ def test_fp8_against_bf16_compares_the_same_batches_step_by_step():
     other = {**bf16, "config": {**bf16["config"], "packing": "pad"}}
     assert runlog.fp8_vs_bf16(fp8, other) is None and "did not train on the same batches" in \
         runlog.describe_fp8(fp8, other)
+
+
+def test_fp8_is_judged_against_what_the_seed_alone_moves():
+    """bf16 at two seeds is the band; each FP8 run is held to the bf16 run of its seed (same batches). Held out:
+    inside the band where every FP8 gap is at most the bf16 seeds' spread at that evaluation; training losses as
+    20-step means, FP8's side and size against the band's mean; without two seeds nothing is said."""
+    cfg = {"data": "gsm8k", "batch_size": 4, "grad_accum": 1, "max_length": 2048, "packing": "pack", "epochs": 3.0,
+           "max_steps": 0}
+
+    def run(name: str, seed: int, shift: float, held: tuple[float, float]) -> dict:
+        return {"name": name, "config": {**cfg, "seed": seed}, "eval_losses": [[20, held[0]], [40, held[1]]],
+                "curve": [[s, 10.0 - s / 10 + shift, 1.0, 1.0] for s in range(1, 41)]}
+
+    bf16 = [run("b0", 0, 0.0, (5.0, 4.0)), run("b1", 1, 0.1, (5.04, 4.02))]
+    fp8 = [run("f0", 0, 0.01, (5.01, 4.015)), run("f1", 1, 0.12, (5.05, 4.03))]
+    c = runlog.fp8_band(fp8, bf16)
+    assert c["seeds"] == [0, 1] and c["fp8_seeds"] == [0, 1] and c["steps"] == 21 and c["within"]
+    assert [h["band"] for h in c["held_out"]] == pytest.approx([0.04, 0.02])
+    assert c["held_out"][1]["gaps"] == pytest.approx({0: 0.015, 1: 0.01})
+    assert c["train_band"]["mean"] == pytest.approx(0.1) and c["train_gaps"][1]["mean"] == pytest.approx(0.02)
+    text = runlog.describe_fp8_band(fp8, bf16)
+    assert "within 0.015 nats" in text and "differ by 0.020-0.040" in text and "inside bf16's run-to-run band" in text
+    assert "FP8 higher than bf16 of its seed by 0.010-0.020 on average" in text
+    outside = [run("f0", 0, 0.01, (5.05, 4.0))]  # 0.05 above bf16 at step 20, where the seeds differ by 0.04
+    assert not runlog.fp8_band(outside, bf16)["within"]
+    assert "outside bf16's run-to-run band" in runlog.describe_fp8_band(outside, bf16)
+    assert runlog.fp8_band(fp8, bf16[:1]) is None and "needs bf16 runs at two seeds" in \
+        runlog.describe_fp8_band(fp8, bf16[:1])
+    other = [{**fp8[0], "config": {**cfg, "seed": 0, "packing": "pad"}}]  # other batches than its bf16 run's
+    assert runlog.fp8_band(other, bf16) is None
+
+
+def test_the_fp8_band_runs_are_the_recipe_at_two_seeds_in_both_dtypes():
+    runs = {name: args for name, args, _ in fullrun.band_runs(True)}
+    assert set(runs) == {"l5c_bf16_s0", "l5c_fp8_s0", "l5c_bf16_s1", "l5c_fp8_s1"}
+    assert runs["l5c_fp8_s1"] == ["--preset", "tunekit_recipe", "--fp8", "true", "--seed", "1"]
+    assert all(args[:2] == ["--preset", "tiny"] for _, args, _ in fullrun.band_runs(False))
