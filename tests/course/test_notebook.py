@@ -408,6 +408,20 @@ def test_fit_here_picks_the_nearest_config_that_fits_and_leaves_a_fitting_one(fa
         assert notebook.fit_here(kept) == kept  # not a bench or train of a preset; no estimate of fp32
 
 
+def test_nearest_fit_under_compile_recomputes_before_it_checkpoints():
+    """A compiled step that does not fit first keeps its micro-batch and recomputes what the adapters read
+    (`--compile-recompute`: 2% of the 7B LoRA step on an H100, checkpointing a quarter or more); where that alone
+    does not fit at the micro-batch asked, checkpointing as before; never without compile."""
+    from tunekit.fitting import RESERVE_FACTOR
+
+    compiled = ["--compile", "regional", "--fast-lora", "true"]
+    flags, lines, est = notebook.nearest_fit("llama7b_lora", compiled, 48e9, "a 48 GB card")
+    assert flags == ["--compile-recompute=true"] and "recomputing what the adapters read, micro-batch 4" in lines[-1]
+    assert est * RESERVE_FACTOR <= 48e9
+    assert notebook.nearest_fit("llama7b_lora", compiled, 40e9)[0] == ["--grad-ckpt=true"]  # recompute: too big
+    assert notebook.nearest_fit("llama7b_lora", [], 48e9)[0] == ["--grad-ckpt=true"]  # eager: no such switch
+
+
 def test_fit_here_is_a_no_op_in_smoke_mode(smoke):
     args = ["bench", "--preset", "llama7b_lora"]
     assert notebook.fit_here(args) == args
