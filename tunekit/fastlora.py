@@ -1,7 +1,7 @@
 """A LoRA linear layer as one autograd function, with the frozen base weight in bf16 or in FP8 (issue 14).
 
-peft computes `base(x) + lora_B(lora_A(x)) * scale` as four modules. `FrozenLoRA` does the same arithmetic in
-one autograd function, the scale applied where the tensors are small ([tokens, r]):
+peft computes `base(x) + lora_B(lora_A(x)) * scale` as four modules, `FrozenLoRA` as one autograd function, the
+scale applied where the tensors are small ([tokens, r]):
 
     forward   xs = (x A^T) s                             # [tokens, r]: the only thing kept besides x
               y  = x W^T + xs B^T
@@ -9,9 +9,8 @@ one autograd function, the scale applied where the tensors are small ([tokens, r
               dx = dy W + m A
               dA = m^T x,  dB = dy^T xs
 
-The additions stay plain adds: under `torch.compile` each fuses into the elementwise kernel that follows. (Folding
-them into the matmuls with `addmm` was measured slower on the H200: cuBLAS first copies the full-size addend
-to the output, 19 ms a step of device-to-device copies for the 7B shape, `s14_profile_fast`.)
+The additions stay plain adds: under `torch.compile` each fuses into the elementwise kernel that follows (`addmm`
+was slower on the H200: cuBLAS first copies the full-size addend to the output, 19 ms a 7B step, `s14_profile_fast`).
 
 The base weight is frozen, so its own gradient is never computed. That also makes FP8 cheaper than torchao's
 `Float8Linear` (`speedups.apply_fp8`), which quantizes each weight to FP8 again at every forward and backward,
@@ -27,10 +26,10 @@ is read, and in FP8 quantized, once, one matmul produces all the outputs and, in
 inner dimension runs over every output sums their input gradients (no separate adds). The adapters' A matrices
 are stacked and the B matrices form one block-diagonal matrix, so the LoRA branch is one matmul each way too.
 The model's code is unchanged: the first member called computes the group and leaves its siblings' outputs for
-their own calls with the same input tensor; a sibling called with another input computes alone. Measured on the
-H200 (7B, batch 4, regional compile) it is same-within-noise faster, +1.2% in FP8 and +1.4% in bf16, and holds
-4.3 GB more (v, a view of the one q/k/v output, keeps all of it alive for attention's backward), so it is an
-option (`attach(group=True)`, `--fast-lora-group`), not the default: `s14_lora_group*` vs `s14_lora_fast3*`.
+their own calls with the same input tensor; a sibling called with another input computes alone. On the H200 (7B,
+batch 4, regional compile) it was +1.2% in FP8, +1.4% in bf16 (same within noise) at 4.3 GB more (`s14_lora_group*`
+vs `s14_lora_fast3*`): v, a view of the one q/k/v output, kept it all for attention's backward; v now has storage
+of its own (`KEPT_APART`). An option (`attach(group=True)`, `--fast-lora-group`), not the default.
 
 A QLoRA base (bitsandbytes' 4-bit `Linear4bit`) keeps its 4-bit codes and nothing else: `FrozenLoRA4bit` reads them
 (`nf4.dequantize`) where each matmul needs the weight, and with FP8 into FP8 straight away, so QLoRA's memory gets
@@ -208,7 +207,7 @@ class Group:
     def __init__(self, parent, names: tuple[str, ...]):
         self.parent = parent
         self.members = [getattr(parent, n) for n in names]
-        self.sizes = [m.base_layer.out_features for m in self.members]
+        self.sizes, self.apart = [m.base_layer.out_features for m in self.members], [n in KEPT_APART for n in names]
         self.pending: dict | None = None  # {member index: output} left by the first member's call, and "x"
 
     def usable(self) -> bool:
@@ -232,7 +231,7 @@ class Group:
         out = GroupLoRA.apply(_autocast_input(x), p.tk_group_w, *w8, self.members[0].scaling[name], *loras)
         if (bias := getattr(p, "tk_group_b", None)) is not None:
             out = out + bias.to(out.dtype)
-        outs = out.split(self.sizes, dim=-1)
+        outs = [o.contiguous() if apart else o for o, apart in zip(out.split(self.sizes, dim=-1), self.apart)]
         self.pending = {"x": x, **{j: o for j, o in enumerate(outs) if j != i}}
         return outs[i]
 
@@ -277,6 +276,7 @@ def why_not(module) -> str:
 
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # siblings that read one input
+KEPT_APART = ("v_proj",)  # kept as it is for attention's backward: its own storage, not a view of all q/k/v
 NF4_TENSORS = ("codes", "table", "absmax", "table2", "absmax2", "offset")  # nf4.tensors, as buffers of the base
 FP8_BUFFERS = ("w8", "w8_inv", "w8t", "w8t_inv")  # `_register_fp8`'s, after a prefix
 

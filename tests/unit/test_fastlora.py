@@ -107,6 +107,38 @@ def test_a_grouped_block_compiles_as_one_graph():
     assert x.grad is not None and layer.self_attn.q_proj.tk_group.pending is None
 
 
+def saved_storage(module, *args, **kwargs) -> dict[int, tuple]:
+    """{storage: (its bytes, a tensor's shape)} of what `module(*args)` keeps for its backward, its own parameters
+    and buffers aside: a view kept keeps its whole storage."""
+    own = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
+    seen = {}
+
+    def pack(t):
+        if (ptr := t.untyped_storage().data_ptr()) not in own:
+            seen[ptr] = (t.untyped_storage().nbytes(), tuple(t.shape))
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = module(*args, **kwargs)
+        (out[0] if isinstance(out, tuple) else out).float().square().mean().backward()
+    return seen
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_grouped_attention_keeps_v_not_all_of_q_k_v(compiled):
+    """Attention keeps v for its backward; grouped, v was a view of the one q/k/v output and kept all three alive
+    (4.3 GB at 7B, batch 4). v has storage of its own now: no kept tensor is as large as the q/k/v output."""
+    model = lora_model(dtype=torch.bfloat16)
+    fastlora.attach(model, group=True)
+    attn = model.base_model.model.model.layers[0].self_attn
+    x = torch.randn(2, 16, 64, dtype=torch.bfloat16, requires_grad=True)
+    rope = model.base_model.model.model.rotary_emb(x, torch.arange(16)[None])
+    torch._dynamo.reset()
+    kept = saved_storage(torch.compile(attn) if compiled else attn, x, position_embeddings=rope, attention_mask=None)
+    qkv = 2 * 16 * (64 + 64 + 64) * 2  # bytes of the grouped q/k/v output (4 heads of 16, no GQA)
+    assert kept and max(b for b, _ in kept.values()) < qkv, sorted(kept.values(), reverse=True)[:3]
+    assert any(b == qkv // 3 and shape[-1] == 16 for b, shape in kept.values())  # v itself, [.., heads, s, 16]
+
+
 def test_detach_restores_peft_and_merged_export_saves_every_weight(ids, tmp_path):
     from safetensors.torch import load_file
 
