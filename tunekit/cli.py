@@ -23,13 +23,15 @@ def _raise_stopped(signum, frame):
 def apply_environment() -> None:
     """What the environment sets for this process, read once by the entry point that owns it (the library never
     reads it at import): TUNEKIT_LORA_BMM=0 computes fused LoRA's FP8 products as plain matmuls
-    (`fastlora.LORA_BMM`), to time both in one session; TUNEKIT_FP8_FAST_ACCUM=1 lets the FP8 input gradient's
-    matmul accumulate fast (`fastlora.FAST_ACCUM_BACKWARD`)."""
-    bmm, fast = os.environ.get("TUNEKIT_LORA_BMM"), os.environ.get("TUNEKIT_FP8_FAST_ACCUM")
-    if bmm is not None or fast is not None:
+    (`fastlora.LORA_BMM`), to time both in one session; TUNEKIT_BF16_BMM=1 computes its bf16 products as
+    batch-of-one `bmm`s (`fastlora.BF16_BMM`); TUNEKIT_FP8_FAST_ACCUM=1 lets the FP8 input gradient's matmul
+    accumulate fast (`fastlora.FAST_ACCUM_BACKWARD`)."""
+    bmm, bf16, fast = (os.environ.get(f"TUNEKIT_{k}") for k in ("LORA_BMM", "BF16_BMM", "FP8_FAST_ACCUM"))
+    if bmm is not None or bf16 is not None or fast is not None:
         from tunekit import fastlora
 
         fastlora.LORA_BMM = bmm != "0"
+        fastlora.BF16_BMM = bf16 == "1"
         fastlora.FAST_ACCUM_BACKWARD = fast == "1"
 
 

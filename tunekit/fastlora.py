@@ -76,23 +76,23 @@ def mm8(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tens
     return ((a.float() * a_inv) @ (b.float() * b_inv)).to(out_dtype)
 
 
-# With FP8 base weights the LoRA products are computed as a batch-of-one `bmm`: as a plain `mm` inductor folds
-# the addition that follows into `addmm` whenever a user of the sum is not elementwise (attention's inputs, the
-# views before RoPE), and cuBLAS's `addmm` first copies the full-size addend (the FP8 matmul's output) to its
-# output; as `bmm` the addition stays elementwise and fuses into its neighbours. Same numbers either way. (With
-# bf16 weights the base product is itself an `mm`, so the fold would only move onto it.) False: plain `mm` (the
-# command line sets it from TUNEKIT_LORA_BMM=0, to time both; a script sets it here).
+# With FP8 base weights the LoRA products are batch-of-one `bmm`s: inductor folds the addition after an `mm` into
+# `addmm` where a user of the sum is not elementwise (attention's inputs, views before RoPE), and cuBLAS's `addmm`
+# first copies the full-size addend to its output; after a `bmm` the addition stays elementwise and fuses. Same
+# numbers. False: plain `mm` (the command line sets it from TUNEKIT_LORA_BMM=0; a script sets it here).
 LORA_BMM = True
+# With bf16 weights the base product is an `mm` too, so the fold only moves onto it (11.6 ms of copies in the
+# H100's 466 ms grouped 7B step, `s31_profile_lora_group`); True (TUNEKIT_BF16_BMM=1): base and LoRA products
+# both as `bmm`, leaving no `mm` to fold into. Same numbers; off until timed on a GPU.
+BF16_BMM = False
 # FP8 input gradients accumulate at full precision, as torchao's rowwise recipe; TUNEKIT_FP8_FAST_ACCUM=1: fast,
 # 1.04x the 7B step (H100), in FP8's gradient bounds (GPU test -k fused_fp8); off: the FP8 band's runs went without.
 FAST_ACCUM_BACKWARD = False
 
 
-def add_lora(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, fp8: bool) -> torch.Tensor:
-    """out + a @ b, a LoRA product (one side of rank r) added to the base product; see `LORA_BMM`."""
-    if fp8 and LORA_BMM:
-        return out + torch.bmm(a.unsqueeze(0), b.unsqueeze(0)).squeeze(0)
-    return out + a @ b
+def _mm(a: torch.Tensor, b: torch.Tensor, bmm: bool) -> torch.Tensor:
+    """a @ b, as a batch-of-one `bmm` where `bmm` (`LORA_BMM`, `BF16_BMM`)."""
+    return torch.bmm(a.unsqueeze(0), b.unsqueeze(0)).squeeze(0) if bmm else a @ b
 
 
 def _lora_forward(ctx, x, weight, w8, w8_inv, a, b, scale: float):
@@ -104,9 +104,9 @@ def _lora_forward(ctx, x, weight, w8, w8_inv, a, b, scale: float):
         xq, x_inv = quantize(x2, -1)
         out = mm8(xq, x_inv, w8.t(), w8_inv, x.dtype, fast_accum=True)
     else:
-        out = x2 @ weight.to(x.dtype).t()
+        out = _mm(x2, weight.to(x.dtype).t(), BF16_BMM)
     xs = (x2 @ a.t()) * scale  # [tokens, r]: scaled here, where it is small
-    out = add_lora(out, xs, b.t(), w8 is not None)  # under compile the add fuses into the next kernel
+    out = out + _mm(xs, b.t(), LORA_BMM if w8 is not None else BF16_BMM)  # under compile: fused into the next kernel
     ctx.scale, ctx.shape = scale, shape
     return out.reshape(*shape[:-1], out.shape[-1]), x2, xs
 
@@ -119,8 +119,8 @@ def _lora_backward(ctx, dy, x2, xs, weight, w8t, w8t_inv, a, b):
         dq, d_inv = quantize(dy2, -1)
         dx = mm8(dq, d_inv, w8t.t(), w8t_inv, dy.dtype, fast_accum=FAST_ACCUM_BACKWARD)
     else:
-        dx = dy2 @ weight.to(dy.dtype)
-    dx = add_lora(dx, m, a, w8t is not None)
+        dx = _mm(dy2, weight.to(dy.dtype), BF16_BMM)
+    dx = dx + _mm(m, a, LORA_BMM if w8t is not None else BF16_BMM)
     return dx.reshape(ctx.shape), m.t() @ x2, dy2.t() @ xs
 
 

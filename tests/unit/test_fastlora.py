@@ -175,17 +175,51 @@ def test_fp8_frozen_weights_stay_within_fp8_rounding(ids, group):
     assert set(fused_fp8.state_dict()) == before  # the FP8 copies are not part of what is saved
 
 
-def test_lora_product_as_bmm_gives_the_same_numbers(ids, monkeypatch):
-    """`LORA_BMM` (FP8 only) changes which kernel computes the LoRA products, not their values."""
-    model = _attach_fp8_cpu(lora_model())
+@pytest.mark.parametrize("switch", ["LORA_BMM", "BF16_BMM"])
+def test_products_as_bmm_give_the_same_numbers(ids, monkeypatch, switch):
+    """`LORA_BMM` (FP8 weights: the LoRA products) and `BF16_BMM` (bf16 weights: the base and LoRA products)
+    change which kernel computes them, not their values."""
+    model = _attach_fp8_cpu(lora_model()) if switch == "LORA_BMM" else fastlora.attach(m := lora_model()) and m
     out = []
     for flag in (False, True):
-        monkeypatch.setattr(fastlora, "LORA_BMM", flag)
+        monkeypatch.setattr(fastlora, switch, flag)
         out.append(loss_and_grads(model, ids))
     (l0, g0), (l1, g1) = out
     torch.testing.assert_close(l1, l0)
     for n in g0:
         torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_the_command_line_sets_bf16_bmm_from_the_environment(monkeypatch):
+    from tunekit import cli
+
+    monkeypatch.setattr(fastlora, "BF16_BMM", False)
+    monkeypatch.setenv("TUNEKIT_BF16_BMM", "1")
+    cli.apply_environment()
+    assert fastlora.BF16_BMM is True and fastlora.LORA_BMM is True and fastlora.FAST_ACCUM_BACKWARD is False
+
+
+@pytest.mark.slow
+def test_bf16_products_as_bmm_leave_inductor_no_matmul_to_fold_an_addition_into():
+    """Compiled, a bf16 fused layer's additions after an `mm` become cuBLAS `addmm`s, which copy the addend to
+    the output first; with `BF16_BMM` no `addmm` is left (CPU inductor folds as CUDA's does)."""
+    from torch._inductor.utils import run_and_get_code
+
+    model = lora_model(dtype=torch.bfloat16)
+    fastlora.attach(model, group=True)
+    attn = model.base_model.model.model.layers[0].self_attn
+    x = torch.randn(2, 16, 64, dtype=torch.bfloat16, requires_grad=True)
+    rope = model.base_model.model.model.rotary_emb(x, torch.arange(16)[None])
+    codes = {}
+    for flag in (False, True):
+        fastlora.BF16_BMM = flag
+        try:
+            torch._dynamo.reset()
+            step = torch.compile(lambda x: attn(x, position_embeddings=rope, attention_mask=None)[0].sum().backward())
+            codes[flag] = "\n".join(run_and_get_code(step, x)[1])
+        finally:
+            fastlora.BF16_BMM = False
+    assert "addmm" in codes[False] and "addmm" not in codes[True]
 
 
 def test_fast_accumulation_of_the_input_gradient_is_a_switch(ids, monkeypatch):
@@ -203,7 +237,7 @@ def test_fast_accumulation_of_the_input_gradient_is_a_switch(ids, monkeypatch):
             monkeypatch.setenv("TUNEKIT_FP8_FAST_ACCUM", env)
         monkeypatch.setattr(fastlora, "FAST_ACCUM_BACKWARD", False)
         cli.apply_environment()
-        assert fastlora.FAST_ACCUM_BACKWARD is backward and fastlora.LORA_BMM is True
+        assert fastlora.FAST_ACCUM_BACKWARD is backward and fastlora.LORA_BMM is True and not fastlora.BF16_BMM
         seen.clear()
         loss_and_grads(model, ids)
         n = len(seen) // 2  # every fused layer: one FP8 matmul forward, one backward
