@@ -533,10 +533,9 @@ def fp8(rs: dict[str, dict]) -> Verdict:
     """FP8's speed (lesson 4's step, with and without compile) and whether it learns as bf16 does: lesson 5's
     whole run of tunekit's recipe (FP8 base weights) against the same recipe without FP8 on the same batches
     (the 24 GB run, whole or stopped), where both were measured (`runlog.describe_fp8`), and the recipe's whole runs
-    in bf16 and FP8 at two seeds each (`fullrun.band_runs`), FP8's gap against what the seed alone moves
+    in bf16 and FP8 at two seeds each (`runlog.BAND_RUNS`), FP8's gap against what the seed alone moves
     (`runlog.describe_fp8_band`)."""
-    from tunekit_course.fullrun import band_runs
-    from tunekit_course.runlog import describe_fp8_band
+    from tunekit_course.runlog import band_results, describe_fp8_band
 
     v = _switch_with_and_without_compile(rs, "fp8", "torchao float8 (rowwise)", "fp8")
     bf16 = rs.get("l5_tunekit_24gb") or rs.get("l5_tunekit_24gb_stopped")
@@ -545,7 +544,7 @@ def fp8(rs: dict[str, dict]) -> Verdict:
 
         v.evidence += f". Learning: {describe_fp8(rs['l5_tunekit'], bf16)}"
         v.files += (rs["l5_tunekit"]["name"], bf16["name"])
-    fp8s, bf16s = ([rs[n] for n, _, _ in band_runs(True) if n in rs and n.startswith(p)] for p in ("l5c_fp8", "l5c_bf16"))
+    fp8s, bf16s = band_results(rs)
     if fp8s and bf16s:
         v.evidence += f". Against the run-to-run band: {describe_fp8_band(fp8s, bf16s)}"
         v.files += tuple(r["name"] for r in (*fp8s, *bf16s))

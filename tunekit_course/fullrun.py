@@ -241,11 +241,12 @@ def band_runs(gpu: bool) -> list[tuple[str, list[str], dict]]:
     """Whole runs of tunekit's recipe in bf16 and with FP8 base weights, at seeds 0 and 1 (`runlog.fp8_band`:
     whether FP8 learns within what changing the seed alone moves). Four runs of three epochs: about 15 minutes
     on an H100. In smoke mode: the tiny stand-ins, FP8 left off (it needs a GPU)."""
+    from tunekit_course.runlog import BAND_RUNS
+
     if not gpu:
-        return [(f"l5c_{kind}_s{seed}", [*SMOKE, "--seed", str(seed)], {}) for kind in ("bf16", "fp8")
-                for seed in (0, 1)]
-    return [(f"l5c_{kind}_s{seed}", ["--preset", "tunekit_recipe", "--fp8", str(kind == "fp8").lower(), "--seed",
-                                     str(seed)], {}) for kind, seed in (("bf16", 0), ("fp8", 0), ("bf16", 1), ("fp8", 1))]
+        return [(name, [*SMOKE, "--seed", str(seed)], {}) for name, _, seed in BAND_RUNS]
+    return [(name, ["--preset", "tunekit_recipe", "--fp8", str(kind == "fp8").lower(), "--seed", str(seed)], {})
+            for name, kind, seed in BAND_RUNS]
 
 
 def model_folder(runs: list[tuple[str, list[str], dict]] | None = None) -> Path | None:

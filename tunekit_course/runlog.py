@@ -148,6 +148,17 @@ def describe_fp8(fp8: dict, bf16: dict) -> str:
             f"{c['last_gap']:+.3f} at the last step" + (f"; held-out loss {held}" if held else ""))
 
 
+# the whole runs of tunekit's recipe that FP8 is judged by (`fp8_band`; `fullrun.band_runs` makes them):
+# (result name, base weights, seed)
+BAND_RUNS = tuple((f"l5c_{kind}_s{seed}", kind, seed) for kind, seed in (("bf16", 0), ("fp8", 0), ("bf16", 1),
+                                                                        ("fp8", 1)))
+
+
+def band_results(rs: dict[str, dict]) -> tuple[list[dict], list[dict]]:
+    """(the FP8 runs, the bf16 runs) of `BAND_RUNS` among results `rs`."""
+    return tuple([rs[name] for name, kind, _ in BAND_RUNS if name in rs and kind == want] for want in ("fp8", "bf16"))
+
+
 def _smoothed(r: dict, window: int) -> dict[int, float]:
     """{step: the mean training loss of the `window` logged steps ending there} of result `r`'s curve."""
     steps, losses = zip(*((row[0], row[1]) for row in r.get("curve") or [])) if r.get("curve") else ((), ())
