@@ -178,13 +178,11 @@ def fp8_band(fp8s: list[dict], bf16s: list[dict], window: int = 20) -> dict | No
     pairs = [(f, bf16[seed(f)]) for f in fp8s if seed(f) in bf16 and same_batching(f, bf16[seed(f)])]
     if len(bf16) < 2 or not pairs:
         return None
-    evals = [dict(r.get("eval_losses") or []) for r in (*bf16.values(), *(f for f, _ in pairs))]
-    held = []
-    for step in sorted(set.intersection(*(set(e) for e in evals))):
-        losses = [b["eval_losses"] for b in bf16.values()]
-        band = max(dict(e)[step] for e in losses) - min(dict(e)[step] for e in losses)
-        held.append({"step": step, "band": band,
-                     "gaps": {seed(f): dict(f["eval_losses"])[step] - dict(b["eval_losses"])[step] for f, b in pairs}})
+    evals = {id(r): dict(r.get("eval_losses") or []) for r in (*bf16.values(), *(f for f, _ in pairs))}
+    held = [{"step": step, "band": max(evals[id(b)][step] for b in bf16.values())
+             - min(evals[id(b)][step] for b in bf16.values()),
+             "gaps": {seed(f): evals[id(f)][step] - evals[id(b)][step] for f, b in pairs}}
+            for step in sorted(set.intersection(*(set(e) for e in evals.values())))]
     smooth = {id(r): _smoothed(r, window) for r in (*bf16.values(), *(f for f, _ in pairs))}
     steps = sorted(set.intersection(*(set(s) for s in smooth.values())))
     if not steps:
@@ -193,7 +191,8 @@ def fp8_band(fp8s: list[dict], bf16s: list[dict], window: int = 20) -> dict | No
              for s in steps]
     gaps = {seed(f): [smooth[id(f)][s] - smooth[id(b)][s] for s in steps] for f, b in pairs}
     return {"seeds": sorted(bf16), "fp8_seeds": [seed(f) for f, _ in pairs], "steps": len(steps), "window": window,
-            "held_out": held, "within": all(abs(g) <= h["band"] for h in held for g in h["gaps"].values()),
+            "held_out": held,
+            "within": bool(held) and all(abs(g) <= h["band"] for h in held for g in h["gaps"].values()),
             "train_band": {"mean": sum(bands) / len(bands), "least": min(bands)},
             "train_gaps": {s: {"mean": sum(g) / len(g), "largest": max(g, key=abs)} for s, g in gaps.items()},
             "names": {"bf16": [b["name"] for b in bf16.values()], "fp8": [f["name"] for f, _ in pairs]}}
