@@ -55,12 +55,16 @@ COMPILES = ("none", "regional")
 
 
 def speed_up(model, *, fast_lora: bool | str = "auto", fp8: bool = False, loss: str = "auto",
-             compile: str = "none", grad_ckpt: bool = False, grad_ckpt_offload: bool = False,
-             attention: str | None = None, packed: bool = False, kernels: str = "none", verbose: bool = True):
+             compile: str = "none", compile_recompute: bool = False, grad_ckpt: bool = False,
+             grad_ckpt_offload: bool = False, attention: str | None = None, packed: bool = False,
+             kernels: str = "none", verbose: bool = True):
     """Apply tunekit's speed-ups to `model` (a transformers causal LM, with or without a peft adapter), in place,
     and return it. What was applied, and what was not and why, is printed (`verbose`) and kept as
-    `model.tunekit_speed_ups` ({switch: what happened})."""
+    `model.tunekit_speed_ups` ({switch: what happened}). `compile_recompute` (with `compile`): the compiled
+    blocks recompute what the adapters read instead of keeping it (`speedups.compile_step`)."""
     _check_choices(fast_lora, loss, compile, kernels)
+    if compile_recompute and compile == "none":
+        raise ValueError("speed_up(compile_recompute=True) changes what compiled blocks keep: set compile='regional'")
     base, done = base_model(model), {}
     if attention is not None:
         name, why = choose_attention(attention, _device_kind(model), packed=packed, model_class=type(base))
@@ -77,8 +81,9 @@ def speed_up(model, *, fast_lora: bool | str = "auto", fp8: bool = False, loss: 
     if compile == "regional":
         # A trainer's batches change shape (rows of packed samples, widths of padded ones): each block compiled
         # once for every shape, not again at the second one (a 7B block's compile is tens of seconds)
-        speedups.compile_step(model, model, "regional", dynamic=True)
-        done["compile"] = f"regional: {len(decoder_layers(model))} decoder blocks, dynamic shapes"
+        speedups.compile_step(model, model, "regional", dynamic=True, recompute=compile_recompute)
+        done["compile"] = (f"regional: {len(decoder_layers(model))} decoder blocks, dynamic shapes"
+                           + (", recomputing what the adapters read" if compile_recompute else ""))
     model.tunekit_speed_ups = done
     if verbose:
         print("tunekit.speed_up: " + "; ".join(f"{k} {v}" for k, v in done.items()))

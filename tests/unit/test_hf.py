@@ -146,6 +146,24 @@ def test_checkpointing_and_regional_compile_keep_the_numbers():
     assert_same(loss_and_grads(fast, ids, labels), loss_and_grads(plain, ids, labels))
 
 
+def test_compile_recompute_reaches_the_partitioner_and_needs_compile():
+    import torch._functorch.config as partitioner
+
+    if not hasattr(partitioner, "ban_recompute_materialized_backward"):
+        pytest.skip("this torch has no setting for what compile's partitioner recomputes")
+    plain = family_model("llama")
+    try:
+        fast = tunekit.speed_up(copy.deepcopy(plain), compile="regional", compile_recompute=True, verbose=False)
+        assert partitioner.ban_recompute_materialized_backward is False
+        assert fast.tunekit_speed_ups["compile"].endswith("recomputing what the adapters read")
+        ids, labels = batch()
+        assert_same(loss_and_grads(fast, ids, labels), loss_and_grads(plain, ids, labels))
+    finally:
+        partitioner.ban_recompute_materialized_backward = True
+    with pytest.raises(ValueError, match="set compile='regional'"):
+        tunekit.speed_up(family_model("llama"), compile_recompute=True, verbose=False)
+
+
 def test_speed_up_is_applied_in_place_and_a_second_call_keeps_one_loss_swap():
     model = family_model("llama")
     assert tunekit.speed_up(model, fast_lora=False, verbose=False) is model
