@@ -484,15 +484,14 @@ def fp8_band(fp8s: list[dict], bf16s: list[dict], window: int = 20, title: str =
     """FP8 base weights against bf16's run-to-run band (`runlog.fp8_band`'s runs): on the left every run's training
     loss as `window`-step means (a colour a seed; solid bf16, dashed FP8; dots: held-out), on the right each FP8
     run's gap to the bf16 run of its seed, inside the band of what changing the seed moves (the bf16 seeds' spread,
-    shaded either side of zero)."""
-    from tunekit_course.runlog import _smoothed
+    shaded either side of zero; `runlog.band_curves`)."""
+    from tunekit_course.runlog import band_curves, smoothed
+    from tunekit_course.runlog import seed_of as seed
 
-    seed = lambda r: (r.get("config") or {}).get("seed")
     colors = {s: f"C{i}" for i, s in enumerate(sorted({seed(r) for r in (*bf16s, *fp8s)}, key=str))}
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(13, 4.2), layout="constrained")
-    smooth = {}
     for r, kind, style in [*((r, "bf16", "-") for r in bf16s), *((r, "FP8", "--") for r in fp8s)]:
-        smooth[id(r)] = s = _smoothed(r, window)
+        s = smoothed(r, window)
         ax.plot(list(s), list(s.values()), style, lw=1.2, color=colors[seed(r)], label=f"{kind}, seed {seed(r)}")
         for step, loss in r.get("eval_losses") or []:
             marker = "o" if kind == "bf16" else "x"
@@ -500,18 +499,11 @@ def fp8_band(fp8s: list[dict], bf16s: list[dict], window: int = 20, title: str =
                     if f"held-out, {kind}" not in ax.get_legend_handles_labels()[1] else None)
     ax.set(xlabel="optimizer step", ylabel=f"training loss, {window}-step mean",
            title=title or "bf16 and FP8 base weights, whole runs")
-    steps = sorted(set.intersection(*(set(smooth[id(r)]) for r in bf16s))) if bf16s else []
-    band = [max(smooth[id(r)][s] for r in bf16s) - min(smooth[id(r)][s] for r in bf16s) for s in steps]
-    if steps:
-        bx.fill_between(steps, [-b for b in band], band, color="tab:gray", alpha=0.3,
+    if c := band_curves(fp8s, bf16s, window):
+        bx.fill_between(c["steps"], [-b for b in c["band"]], c["band"], color="tab:gray", alpha=0.3,
                         label="bf16's seeds apart (the run-to-run band)")
-    bf16 = {seed(r): r for r in bf16s}
-    for f in fp8s:
-        if seed(f) in bf16:
-            mine, theirs = smooth[id(f)], smooth[id(bf16[seed(f)])]
-            common = [s for s in mine if s in theirs]
-            bx.plot(common, [mine[s] - theirs[s] for s in common], "--", color=colors[seed(f)],
-                    label=f"FP8 minus bf16, seed {seed(f)}")
+        for s, gaps in c["gaps"].items():
+            bx.plot(c["steps"], gaps, "--", color=colors[s], label=f"FP8 minus bf16, seed {s}")
     bx.axhline(0, color="black", lw=0.8)
     bx.set(xlabel="optimizer step", ylabel="training loss gap, nats", title="FP8's gap to bf16 of its seed")
     (h1, t1), (h2, t2) = ax.get_legend_handles_labels(), bx.get_legend_handles_labels()

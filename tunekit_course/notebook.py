@@ -324,9 +324,7 @@ def nearest_fit(preset: str, rest: list[str], budget: float, where: str = "this 
     low = {"method": "qlora", "grad_ckpt": True, "grad_ckpt_offload": True, "embed_offload": True,
            "optimizer": "adamw8bit"}
     tries = [("gradient checkpointing on" if not cfg.grad_ckpt else "a smaller micro-batch", {"grad_ckpt": True})]
-    if cfg.compile != "none" and not cfg.grad_ckpt and not cfg.compile_recompute:
-        # first, at the micro-batch asked only (its cost is measured there): 2% of the 7B LoRA step for 10 GB
-        # less on an H100, where checkpointing costs a quarter or more
+    if fitting.recompute_first(cfg):  # first, at the micro-batch asked only (its cost is measured there)
         tries.insert(0, ("the compiled blocks recomputing what the adapters read", {"compile_recompute": True}))
     # QLoRA with FP8 (its 4-bit codes read into FP8, `--fast-lora`) is not offered until a whole run has measured it
     if cfg.method != "full" and not cfg.fp8:

@@ -159,10 +159,32 @@ def band_results(rs: dict[str, dict]) -> tuple[list[dict], list[dict]]:
     return tuple([rs[name] for name, kind, _ in BAND_RUNS if name in rs and kind == want] for want in ("fp8", "bf16"))
 
 
-def _smoothed(r: dict, window: int) -> dict[int, float]:
+def smoothed(r: dict, window: int) -> dict[int, float]:
     """{step: the mean training loss of the `window` logged steps ending there} of result `r`'s curve."""
     steps, losses = zip(*((row[0], row[1]) for row in r.get("curve") or [])) if r.get("curve") else ((), ())
     return {steps[i]: sum(losses[i - window + 1:i + 1]) / window for i in range(window - 1, len(steps))}
+
+
+def seed_of(r: dict):
+    """The seed a result ran with (its config's)."""
+    return (r.get("config") or {}).get("seed")
+
+
+def band_curves(fp8s: list[dict], bf16s: list[dict], window: int = 20) -> dict | None:
+    """What `fp8_band` judges and `charts.fp8_band` draws: the bf16 runs by seed, the (FP8, bf16) pairs of one
+    seed that trained on the same batches, and at every step all of them logged (`window`-step means, `smoothed`)
+    the band (the largest minus the smallest bf16 loss) and each pair's gap (FP8 minus bf16). None unless there
+    are two bf16 seeds and a pair."""
+    bf16 = {seed_of(r): r for r in bf16s}
+    pairs = [(f, bf16[seed_of(f)]) for f in fp8s if seed_of(f) in bf16 and same_batching(f, bf16[seed_of(f)])]
+    if len(bf16) < 2 or not pairs:
+        return None
+    smooth = {id(r): smoothed(r, window) for r in (*bf16.values(), *(f for f, _ in pairs))}
+    steps = sorted(set.intersection(*(set(s) for s in smooth.values())))
+    return {"bf16": bf16, "pairs": pairs, "steps": steps,
+            "band": [max(smooth[id(b)][s] for b in bf16.values()) - min(smooth[id(b)][s] for b in bf16.values())
+                     for s in steps],
+            "gaps": {seed_of(f): [smooth[id(f)][s] - smooth[id(b)][s] for s in steps] for f, b in pairs}}
 
 
 def fp8_band(fp8s: list[dict], bf16s: list[dict], window: int = 20) -> dict | None:
@@ -171,30 +193,23 @@ def fp8_band(fp8s: list[dict], bf16s: list[dict], window: int = 20) -> dict | No
     each against the bf16 run of its own seed, which trained on the same batches from the same weights (so the
     gap is FP8's arithmetic alone). Held out: after each evaluation every run reached, the band (the largest
     minus the smallest bf16 loss) and each seed's gap (FP8 minus bf16). Training: the losses as `window`-step
-    means, at each step every run logged, the band's mean and smallest and each gap's mean and largest. None
-    unless there are two bf16 seeds and an FP8 run with a bf16 run of its seed on the same batches."""
-    seed = lambda r: (r.get("config") or {}).get("seed")
-    bf16 = {seed(r): r for r in bf16s}
-    pairs = [(f, bf16[seed(f)]) for f in fp8s if seed(f) in bf16 and same_batching(f, bf16[seed(f)])]
-    if len(bf16) < 2 or not pairs:
+    means, at each step every run logged (`band_curves`), the band's mean and smallest and each gap's mean and
+    largest. None unless there are two bf16 seeds and an FP8 run with a bf16 run of its seed on the same
+    batches."""
+    c = band_curves(fp8s, bf16s, window)
+    if c is None or not c["steps"]:
         return None
+    bf16, pairs, bands = c["bf16"], c["pairs"], c["band"]
     evals = {id(r): dict(r.get("eval_losses") or []) for r in (*bf16.values(), *(f for f, _ in pairs))}
     held = [{"step": step, "band": max(evals[id(b)][step] for b in bf16.values())
              - min(evals[id(b)][step] for b in bf16.values()),
-             "gaps": {seed(f): evals[id(f)][step] - evals[id(b)][step] for f, b in pairs}}
+             "gaps": {seed_of(f): evals[id(f)][step] - evals[id(b)][step] for f, b in pairs}}
             for step in sorted(set.intersection(*(set(e) for e in evals.values())))]
-    smooth = {id(r): _smoothed(r, window) for r in (*bf16.values(), *(f for f, _ in pairs))}
-    steps = sorted(set.intersection(*(set(s) for s in smooth.values())))
-    if not steps:
-        return None
-    bands = [max(smooth[id(b)][s] for b in bf16.values()) - min(smooth[id(b)][s] for b in bf16.values())
-             for s in steps]
-    gaps = {seed(f): [smooth[id(f)][s] - smooth[id(b)][s] for s in steps] for f, b in pairs}
-    return {"seeds": sorted(bf16), "fp8_seeds": [seed(f) for f, _ in pairs], "steps": len(steps), "window": window,
-            "held_out": held,
+    return {"seeds": sorted(bf16), "fp8_seeds": [seed_of(f) for f, _ in pairs], "steps": len(c["steps"]),
+            "window": window, "held_out": held,
             "within": bool(held) and all(abs(g) <= h["band"] for h in held for g in h["gaps"].values()),
             "train_band": {"mean": sum(bands) / len(bands), "least": min(bands)},
-            "train_gaps": {s: {"mean": sum(g) / len(g), "largest": max(g, key=abs)} for s, g in gaps.items()},
+            "train_gaps": {s: {"mean": sum(g) / len(g), "largest": max(g, key=abs)} for s, g in c["gaps"].items()},
             "names": {"bf16": [b["name"] for b in bf16.values()], "fp8": [f["name"] for f, _ in pairs]}}
 
 
