@@ -131,7 +131,7 @@ def test_render_readme_replaces_blocks_and_needs_them():
     claims_block = out.split("<!-- claims:start -->")[1].split("<!-- claims:end -->")[0]
     targets_block = out.split("<!-- targets:start -->")[1].split("<!-- targets:end -->")[0]
     assert "| C16 |" in claims_block and "speed push" not in claims_block and "tunekit's target" not in claims_block
-    assert "| speed push | one H200: LoRA bf16 >= 21,000 tok/s" in targets_block and "| C16 |" not in targets_block
+    assert "| speed push | against Unsloth in the same run: LoRA bf16 >= 1.2x" in targets_block and "| C16 |" not in targets_block
     assert "| Qwen2 / 2.5 (`Qwen/Qwen2.5-7B`) | a bias on q/k/v | ✓ |" in out  # families.table()
     waterfall_block = out.split("<!-- waterfall:start -->")[1].split("<!-- waterfall:end -->")[0]
     assert "| the article's before | unmeasured | | | |" in waterfall_block  # no bars: each said to be missing
@@ -154,25 +154,60 @@ def _compare(name, method, ckpt, stacks):
             "config": {"method": method, "batch_size": 4, "max_length": 2048, "grad_ckpt": ckpt}}
 
 
-def test_speed_push_judges_each_target_from_its_runs():
+LLAMA2 = {"hidden_size": 4096, "num_layers": 32, "num_kv_heads": 32, "intermediate_size": 11008, "vocab_size": 32000}
+LLAMA3 = {**LLAMA2, "num_kv_heads": 8, "intermediate_size": 14336, "vocab_size": 128256}
+
+
+def _vs_unsloth(name, method, batch, ckpt, ours, theirs, arch=LLAMA2, date="2026-12-01", fp8=False, flags=""):
+    r = _compare(name, method, ckpt, {"tunekit": ours, "unsloth": theirs})
+    r["config"].update(arch, batch_size=batch, fp8=fp8, preset="any")  # the shape is read from the architecture
+    return {**r, "date": date, "gpu": "NVIDIA H200", "entry": f"tunekit bench --compare {flags} --name {name}"}
+
+
+def test_speed_push_judges_each_target_against_unsloth_in_the_same_run_on_each_shape():
+    rs = {r["name"]: r for r in (
+        _vs_unsloth("a", "lora", 4, False, (21_500, 49.0), (17_800, 46.0)),  # 1.21x at <= 49.6 GB: met
+        _vs_unsloth("b", "lora", 4, False, (30_000, 60.0), (16_000, 49.0), arch=LLAMA3, fp8=True),  # FP8: not bf16
+        _vs_unsloth("c", "qlora", 8, True, (13_000, 9.0), (11_000, 8.5)),  # 1.18x, but more memory than Unsloth
+        _vs_unsloth("d", "qlora", 8, True, (12_000, 8.0), (11_000, 8.5), arch=LLAMA3),  # 1.09x: missed
+        # the same configuration twice: the newer run counts, not the better
+        _vs_unsloth("e_old", "qlora", 4, False, (20_000, 30.0), (16_000, 36.0), date="2026-12-01"),
+        _vs_unsloth("e_new", "qlora", 4, False, (17_000, 30.0), (16_000, 36.0), date="2026-12-02"),
+        _vs_unsloth("f1", "qlora", 1, True, (7_000, 4.3), (6_000, 5.0)),  # batch 1: two of the three runs
+        _vs_unsloth("f2", "qlora", 1, True, (8_000, 4.3), (6_000, 5.0), date="2026-12-02"),
+        {"name": "fp8_b4", "call": "bench.run_bench(...)", "entry": "tunekit bench --fp8 true", "date": "2026-12-01",
+         "gpu": "NVIDIA H200", "tokens_per_s": 27_100, "peak_memory_gb": 66.0,
+         "config": {**LLAMA2, "method": "lora", "fp8": True, "fast_lora": True, "batch_size": 4}})}
+    v = claims.judge("speed push", rs)
+    parts = v.evidence.split("; ")
+    assert "LoRA bf16, batch 4, Llama-2-7B shape: 1.21x Unsloth (21,500 against 17,800 tok/s, 49.0 against 46.0 GB), " \
+           "H200 (target >= 1.20x Unsloth at <= 49.6 GB: met)" in parts
+    assert "LoRA bf16, batch 4, Llama-3-8B shape: target >= 1.20x Unsloth at <= 54.5 GB, unmeasured" in parts
+    assert any(p.startswith("QLoRA with checkpointing, batch 8, Llama-2-7B shape: 1.18x") and p.endswith(
+        "(target >= 1.10x Unsloth at <= its memory: missed)") for p in parts)
+    assert any(p.startswith("QLoRA with checkpointing, batch 8, Llama-3-8B shape: 1.09x") for p in parts)
+    assert any(p.startswith("QLoRA without checkpointing, batch 4, Llama-2-7B shape: 1.06x") for p in parts)
+    assert "QLoRA batch 1, least memory, Llama-2-7B shape: median 1.25x Unsloth over 2 same-run comparisons " \
+           "(1.33x, 1.17x), at most 4.3 GB, H200 (target >= 1.15x Unsloth at <= 4.5 GB: unmeasured: 2 of the 3 " \
+           "comparisons it is judged on)" in parts
+    # FP8 fast enough, but no whole runs against bf16's band yet: not met
+    assert any(p.startswith("LoRA FP8, Llama-2-7B shape: 27,100 tok/s at 66.0 GB, batch 4, H200") for p in parts)
+    assert "the whole runs against bf16's band: unmeasured (target >= 27,000 tok/s and a loss curve within " \
+           "bf16's run-to-run band: unmeasured)" in parts
+    assert v.verdict == "1 of 9 met, 5 unmeasured"
+    assert "e_new" in v.files and "e_old" not in v.files and "b" not in v.files
+    # the third batch-1 run: judged on the median of the three
+    rs["f3"] = _vs_unsloth("f3", "qlora", 1, True, (7_200, 4.3), (6_000, 5.0), date="2026-12-03")
+    assert "median 1.20x Unsloth over 3 same-run comparisons (1.20x, 1.33x, 1.17x)" in claims.judge(
+        "speed push", rs).evidence
+    assert claims.judge("speed push", {}).verdict == "unmeasured"
+
+
+def test_the_compare_table_shows_every_run():
     rs = {"s14_compare_lora": _compare("s14_compare_lora", "lora", False, {
               "hf_peft": (11_000, 65.0), "tunekit": (21_500, 49.0), "unsloth": (18_000, 43.0)}),
           "s14_compare_qlora": _compare("s14_compare_qlora", "qlora", False, {
-              "tunekit": (19_000, 40.0), "unsloth": (17_600, 34.0)}),
-          "s14_lora_fast_fp8": {"name": "s14_lora_fast_fp8", "tokens_per_s": 26_000, "peak_memory_gb": 62.0},
-          "train_s14_fast_fp8": {"name": "train_s14_fast_fp8", "tokens_per_s": 23_400, "packing": "pack",
-                                 "config": {"data": "gsm8k"}}}
-    v = claims.judge("speed push", rs)
-    assert "on gsm8k (packed rows): 23,400 real tok/s, 90% of the step bench's 26,000 (target >= 90%: met" \
-        in v.evidence
-    assert v.verdict == "2 of 5 met, 2 unmeasured"
-    assert "LoRA bf16: 21,500 tok/s, 49.0 GB; Unsloth in the same run 18,000 tok/s, 43.0 GB: tunekit 1.19x " \
-           "(target >= 21,000 tok/s: met)" in v.evidence
-    assert "QLoRA, no checkpointing: 19,000 tok/s, 40.0 GB" in v.evidence and "at <= 35 GB: missed" in v.evidence
-    assert "LoRA FP8: 26,000 tok/s" in v.evidence and "(cited:" in v.evidence  # NeMo's figure, marked cited
-    assert "QLoRA batch 1: target >= 7,500 tok/s at <= 4.5 GB, unmeasured" in v.evidence
-    assert v.files == ("s14_compare_lora", "s14_lora_fast_fp8", "s14_compare_qlora", "train_s14_fast_fp8")
-    assert claims.judge("speed push", {}).verdict == "unmeasured"
+              "tunekit": (19_000, 40.0), "unsloth": (17_600, 34.0)})}
     table = claims.speed_table(rs)
     assert "| `s14_compare_lora` | lora b4x2048 | 11,000 tok/s, 65.0 GB | 21,500 tok/s, 49.0 GB | 18,000 tok/s, " \
            "43.0 GB | 1.95x | 1.19x | 1.0e-04 | abcdef0 |" in table

@@ -1,0 +1,160 @@
+"""Ahead of Unsloth, or not: tunekit's speed targets against Unsloth, each judged from the results that measure it.
+
+Every target but FP8's is a ratio within one `tunekit bench --compare` run (the same weights and tokens, one
+process a stack, back to back on one GPU), so it holds on whichever GPU ran it; the result says which. A target
+is judged on each model shape it names (`SHAPES`, recognized by the architecture a result recorded, not by its
+preset's name). Where a setup ran more than once in the same configuration, the newest runs count (as many as the
+target judges on: batch 1 takes the median of three, its steps spread too far for one), never the best of them;
+among different configurations of tunekit (FP8 or not, offloads, recompute) the one that comes nearest the
+target is shown, and said.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from dataclasses import dataclass
+
+# the architecture fields a result's config records, as (hidden, layers, kv heads, MLP width, vocabulary)
+SHAPES = {"Llama-2-7B shape": (4096, 32, 32, 11008, 32000), "Llama-3-8B shape": (4096, 32, 8, 14336, 128256)}
+LLAMA2, LLAMA3 = SHAPES
+
+
+@dataclass(frozen=True)
+class Target:
+    """A same-run target against Unsloth: tunekit's step in setup (method, batch, checkpointing) at `ratio`x
+    Unsloth's or more, on each of `shapes`, within its memory bound: `unsloth_memory` (at most Unsloth's peak in
+    the same run) and/or `gb` ({shape: GB at most}). `bf16`: tunekit's step without FP8 (the same arithmetic as
+    Unsloth's); otherwise FP8 is allowed and said. `runs`: the newest comparisons of one configuration it is
+    judged on, by their median ratio."""
+    what: str
+    method: str
+    batch: int
+    ckpt: bool
+    ratio: float
+    shapes: tuple[str, ...] = (LLAMA2, LLAMA3)
+    unsloth_memory: bool = False
+    gb: tuple[tuple[str, float], ...] = ()
+    bf16: bool = False
+    runs: int = 1
+
+    def bound(self, shape: str) -> float | None:
+        return dict(self.gb).get(shape)
+
+
+TARGETS = (
+    # at no more memory than tunekit's step held before the push (s14_compare_lora, s26_compare_llama3_lora)
+    Target("LoRA bf16, batch 4", "lora", 4, False, 1.20, gb=((LLAMA2, 49.6), (LLAMA3, 54.5)), bf16=True),
+    Target("QLoRA with checkpointing, batch 8", "qlora", 8, True, 1.10, unsloth_memory=True),
+    Target("QLoRA without checkpointing, batch 4", "qlora", 4, False, 1.15, unsloth_memory=True),
+    Target("QLoRA batch 1, least memory", "qlora", 1, True, 1.15, shapes=(LLAMA2,), gb=((LLAMA2, 4.5),), runs=3),
+)
+FP8_TOKENS = 27_000  # LoRA with FP8 base weights, Llama-2-7B shape, tok/s on one GPU (Unsloth has no such step)
+REAL_SHARE = 0.90  # the fastest recipe through `tunekit train` on GSM8K, real tokens against its own step bench
+
+
+def shape_of(r: dict) -> str | None:
+    """Which of `SHAPES` result `r` ran, from the architecture its config recorded; None for any other."""
+    c = r.get("config") or {}
+    arch = tuple(c.get(k) for k in ("hidden_size", "num_layers", "num_kv_heads", "intermediate_size", "vocab_size"))
+    return next((name for name, fields in SHAPES.items() if fields == arch), None)
+
+
+def stack(r: dict, name: str) -> dict | None:
+    """The row of stack `name` in comparison `r`, where it measured a step."""
+    return next((x for x in r.get("stacks", []) if x["stack"] == name and x.get("tokens_per_s")), None)
+
+
+def configuration(r: dict) -> str:
+    """What a run of tunekit was asked and the GPU it ran on, without where its result went or its name: runs of
+    one configuration are repeats of each other."""
+    asked = re.sub(r"\s--(name|out|unsloth-site)\s+\S+", "", r.get("entry") or r.get("call") or r["name"]).strip()
+    return f"{asked} on {r.get('gpu')}"
+
+
+def _newest(rs: list[dict], n: int) -> dict[str, list[dict]]:
+    """{configuration: its newest `n` runs among `rs`}."""
+    by: dict[str, list[dict]] = {}
+    for r in sorted(rs, key=lambda r: r.get("date", ""), reverse=True):
+        by.setdefault(configuration(r), []).append(r)
+    return {k: v[:n] for k, v in by.items()}
+
+
+def comparisons(rs: dict[str, dict], t: Target, shape: str) -> list[dict]:
+    """The same-run comparisons with Unsloth that measure target `t` on `shape`."""
+    def fits(r: dict) -> bool:
+        c = r.get("config") or {}
+        return (str(r.get("call", "")).startswith("compare.") and shape_of(r) == shape and c.get("method") == t.method
+                and c.get("batch_size") == t.batch and bool(c.get("grad_ckpt")) == t.ckpt
+                and not (t.bf16 and c.get("fp8")) and bool(stack(r, "tunekit")) and bool(stack(r, "unsloth")))
+
+    return [r for r in rs.values() if fits(r)]
+
+
+def judge_target(rs: dict[str, dict], t: Target, shape: str) -> dict:
+    """{"state": "met" | "missed" | "unmeasured", "text": a sentence, "files": names} for target `t` on `shape`."""
+    want = f">= {t.ratio:.2f}x Unsloth" + (" at <= its memory" if t.unsloth_memory else "") + (
+        f" at <= {t.bound(shape):g} GB" if t.bound(shape) else "")
+    found = comparisons(rs, t, shape)
+    if not found:
+        return {"state": "unmeasured", "text": f"{t.what}, {shape}: target {want}, unmeasured", "files": ()}
+    judged = []
+    for runs in _newest(found, t.runs).values():
+        ours, theirs = [stack(r, "tunekit") for r in runs], [stack(r, "unsloth") for r in runs]
+        ratio = statistics.median(a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(ours, theirs))
+        gb = max(a["peak_memory_gb"] for a in ours)
+        fits = (not t.unsloth_memory or all(a["peak_memory_gb"] <= b["peak_memory_gb"] for a, b in zip(ours, theirs))
+                ) and (t.bound(shape) is None or gb <= t.bound(shape))
+        enough = len(runs) >= t.runs
+        judged.append((enough and fits and ratio >= t.ratio, enough, fits, ratio, gb, runs))
+    ok, enough, fits, ratio, gb, runs = max(judged, key=lambda j: j[:4])
+    r, ours, theirs = runs[0], stack(runs[0], "tunekit"), stack(runs[0], "unsloth")
+    fp8 = ", tunekit's matmuls in FP8" if r["config"].get("fp8") else ""
+    if t.runs > 1:
+        ratios = ", ".join(f"{stack(x, 'tunekit')['tokens_per_s'] / stack(x, 'unsloth')['tokens_per_s']:.2f}x"
+                           for x in runs)
+        measured = f"median {ratio:.2f}x Unsloth over {len(runs)} same-run comparison{'s' * (len(runs) > 1)} ({ratios}), at most {gb:.1f} GB"
+    else:
+        measured = (f"{ratio:.2f}x Unsloth ({ours['tokens_per_s']:,.0f} against {theirs['tokens_per_s']:,.0f} tok/s, "
+                    f"{ours['peak_memory_gb']:.1f} against {theirs['peak_memory_gb']:.1f} GB)")
+    state = "met" if ok else "unmeasured" if not enough else "missed"
+    why = "" if ok or enough else f": {len(runs)} of the {t.runs} comparisons it is judged on"
+    where = f"{(r.get('gpu') or 'GPU').removeprefix('NVIDIA ')}{fp8}"
+    return {"state": state, "text": f"{t.what}, {shape}: {measured}, {where} (target {want}: {state}{why})",
+            "files": tuple(x["name"] for x in runs)}
+
+
+def fp8_benches(rs: dict[str, dict]) -> list[dict]:
+    """Step benches of LoRA with FP8 base weights on the Llama-2-7B shape (tunekit's fused layer): the newest run
+    of each configuration."""
+    found = [r for r in rs.values() if str(r.get("call", "")).startswith("bench.run_bench(") and shape_of(r) == LLAMA2
+             and (r.get("config") or {}).get("method") == "lora" and r["config"].get("fp8")
+             and r["config"].get("fast_lora") and r.get("tokens_per_s")]
+    return [runs[0] for runs in _newest(found, 1).values()]
+
+
+def judge_fp8(rs: dict[str, dict]) -> dict:
+    """FP8's target: the fastest configuration's newest step bench at `FP8_TOKENS` or more, and whole runs of the
+    recipe in FP8 within bf16's run-to-run band (`runlog.fp8_band`)."""
+    from tunekit_course.runlog import band_results, fp8_band
+
+    benches = fp8_benches(rs)
+    want = f">= {FP8_TOKENS:,} tok/s and a loss curve within bf16's run-to-run band"
+    if not benches:
+        return {"state": "unmeasured", "text": f"LoRA FP8, {LLAMA2}: target {want}, unmeasured", "files": ()}
+    best = max(benches, key=lambda r: r["tokens_per_s"])
+    band = fp8_band(*band_results(rs))
+    fast = best["tokens_per_s"] >= FP8_TOKENS
+    learns = "unmeasured" if band is None else "within it" if band["within"] else "outside it"
+    state = "met" if fast and band and band["within"] else "missed" if not fast or band else "unmeasured"
+    gpu = (best.get("gpu") or "GPU").removeprefix("NVIDIA ")
+    return {"state": state, "files": (best["name"],),
+            "text": f"LoRA FP8, {LLAMA2}: {best['tokens_per_s']:,.0f} tok/s at {best['peak_memory_gb']:.1f} GB, batch "
+                    f"{best['config']['batch_size']}, {gpu} (`{best['name']}`, the fastest of {len(benches)} "
+                    f"configurations' newest runs); the whole runs against bf16's band: {learns} (target {want}: "
+                    f"{state})"}
+
+
+def judge_all(rs: dict[str, dict]) -> list[dict]:
+    """Every target on every shape it names, then FP8's."""
+    return [judge_target(rs, t, shape) for t in TARGETS for shape in t.shapes] + [judge_fp8(rs)]
