@@ -60,6 +60,25 @@ def shape_of(r: dict) -> str | None:
     return next((name for name, fields in SHAPES.items() if fields == arch), None)
 
 
+def setup(r: dict, among_stacks: bool = False) -> str:
+    """A result's step in words: preset, method, batch x length, checkpointing, what tunekit switched on, GPU.
+    `among_stacks`: the result holds other stacks' steps too, so tunekit's switches are said to be its own."""
+    c, own = r["config"], ("tunekit ", "tunekit's ") if among_stacks else ("", "")
+    words = [(f"`{c['preset']}` shape, " if c.get("preset") else "") + f"{c['method']} b{c['batch_size']}x{c['max_length']}"]
+    if c["grad_ckpt"]:
+        words.append("ckpt" + (" offloaded" if c.get("grad_ckpt_offload") else "")
+                     + (" on a side stream" if "TUNEKIT_OFFLOAD_STREAM=1" in r.get("entry", "") else ""))
+    if c.get("compile", "none") != "none":
+        words.append(f"{own[0]}{c['compile']} compile" + (" recomputing" if c.get("compile_recompute") else ""))
+    if c.get("fast_lora"):
+        words.append(f"{own[1]}fused LoRA" + (" grouped" if c.get("fast_lora_group") else "") + (
+            (" reading the 4-bit weights into FP8" if c["method"] == "qlora" else " with FP8 weights")
+            if c.get("fp8") else ""))
+    elif c.get("fp8"):
+        words.append("torchao FP8")
+    return ", ".join(words + ([r["gpu"].removeprefix("NVIDIA ")] if r.get("gpu") else []))
+
+
 def stack(r: dict, name: str) -> dict | None:
     """The row of stack `name` in comparison `r`, where it measured a step."""
     return next((x for x in r.get("stacks", []) if x["stack"] == name and x.get("tokens_per_s")), None)
@@ -158,3 +177,69 @@ def judge_fp8(rs: dict[str, dict]) -> dict:
 def judge_all(rs: dict[str, dict]) -> list[dict]:
     """Every target on every shape it names, then FP8's."""
     return [judge_target(rs, t, shape) for t in TARGETS for shape in t.shapes] + [judge_fp8(rs)]
+
+
+# ---- what is left: where a profiled step's time goes, and how much faster it could get ---------------------------
+
+CORE = ("matmul", "attention")  # the work a step cannot do without; the rest is what fusion can take out
+
+
+def _switches(r: dict) -> set[str]:
+    """The environment a run set that changes its kernels (`results.BEHAVIOUR_ENV`), defaults left out."""
+    return set(re.findall(r"TUNEKIT_\w+=\S+", r.get("entry") or "")) - {"TUNEKIT_OFFLOAD_STREAM=0"}
+
+
+def twin(p: dict, rs: dict[str, dict]) -> dict | None:
+    """The step bench (`tunekit bench` unprofiled) of profile `p`'s configuration, code and GPU: its step time
+    is the step's own, without the profiler's overhead."""
+    return next((r for r in sorted(rs.values(), key=lambda r: r["name"])
+                 if str(r.get("call", "")).startswith("bench.run_bench(") and r.get("config") == p.get("config")
+                 and r.get("gpu") == p.get("gpu") and r.get("commit") == p.get("commit")
+                 and _switches(r) == _switches(p) and r.get("step_time_s")), None)
+
+
+def headroom(p: dict, rs: dict[str, dict]) -> dict:
+    """Profile `p` read for what is left: its kernels' time a step, the matrix products' and attention's
+    (`CORE`), everything else, the step's own time where a bench of the same configuration, code and GPU has it
+    (`twin`) and so the time the GPU waited on the host, and the bound: how much faster the step could be with
+    nothing but `CORE` left and the GPU never waiting (an upper bound, not a forecast). A profile taken before
+    a kernel's category changed (`bench.step.categorize`) has its costliest kernels moved to today's categories
+    (its `top`; the rest it recorded by category only); `moved` says how much time that moved."""
+    from tunekit.bench.step import categorize
+
+    cats = {b["category"]: b["seconds"] for b in p["breakdown"]}
+    moved = 0.0
+    for k in p.get("top") or []:
+        if (now := categorize(k["kernel"])) != k["category"]:
+            cats[k["category"]] -= k["seconds"]
+            cats[now] = cats.get(now, 0.0) + k["seconds"]
+            moved += k["seconds"]
+    core = sum(cats.get(c, 0.0) for c in CORE)
+    bench = twin(p, rs)
+    step = bench["step_time_s"] if bench else None
+    return {"kernels": p["kernel_s_per_step"], "core": core, "rest": p["kernel_s_per_step"] - core,
+            "categories": cats, "moved": moved, "bench": bench and bench["name"], "step": step,
+            "waiting": None if step is None else max(0.0, step - p["kernel_s_per_step"]),
+            "bound": (step or p["kernel_s_per_step"]) / core if core else None}
+
+
+def headroom_table(rs: dict[str, dict]) -> str:
+    """Every profile of a 7B step (`tunekit bench --profile`), newest first, read by `headroom`."""
+    rows = [("| profile | step | step, ms (bench) | kernels, ms | matmul | attention | everything else | GPU waiting "
+             "| at most, with matmul and attention alone | commit |"), "|---|---|---|---|---|---|---|---|---|---|"]
+    profiles = [r for r in rs.values() if str(r.get("call", "")).startswith("bench.profile_step(") and r.get("gpu")]
+    for p in sorted(profiles, key=lambda r: r.get("date", ""), reverse=True):
+        h = headroom(p, rs)
+        def ms(s: float | None) -> str:
+            return "-" if s is None else f"{1e3 * s:.1f}"
+
+        rest = ", ".join(f"{c} {ms(s)}" for c, s in sorted(h["categories"].items(), key=lambda x: -x[1])
+                         if c not in CORE and s >= 5e-4)
+        step = "-" if h["step"] is None else f"{ms(h['step'])} (`{h['bench']}`)"
+        moved = f" ({ms(h['moved'])} ms recategorized)" if h["moved"] else ""
+        rows.append(f"| `{p['name']}` | {setup(p)} | {step} | {ms(h['kernels'])} | {ms(h['categories'].get('matmul'))} "
+                    f"| {ms(h['categories'].get('attention'))} | {ms(h['rest'])}: {rest} | {ms(h['waiting'])} | "
+                    f"{h['bound']:.2f}x | {(p.get('commit') or '-')[:7]} |".replace(f"| {ms(h['kernels'])} |", f"| {ms(h['kernels'])}{moved} |"))
+    if len(rows) == 2:
+        rows.append("| *(no profile yet)* | | | | | | | | | |")
+    return "\n".join(rows)

@@ -603,15 +603,7 @@ def speed_table(rs: dict[str, dict]) -> str:
     rows = [("| run | setup | plain HF + peft | tunekit | Unsloth | tunekit vs plain | tunekit vs Unsloth "
              "| loss agreement | commit |"), "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted((r for r in rs.values() if str(r.get("call", "")).startswith("compare.")), key=lambda r: r["name"]):
-        c = r["config"]
-        setup = (f"`{c['preset']}` shape, " if c.get("preset") else "") + (
-            f"{c['method']} b{c['batch_size']}x{c['max_length']}") + (", ckpt" if c["grad_ckpt"] else "") + (
-            " offloaded" if c.get("grad_ckpt_offload") else "") + (
-            " on a side stream" if "TUNEKIT_OFFLOAD_STREAM=1" in r.get("entry", "") else "") + (
-            f", tunekit {c['compile']} compile" if c.get("compile", "none") != "none" else "") + (
-            ", tunekit's fused LoRA" if c.get("fast_lora") else "") + (
-            (" reading the 4-bit weights into FP8" if c["method"] == "qlora" else " with FP8 weights")
-            if c.get("fp8") else "") + (f", {r['gpu'].removeprefix('NVIDIA ')}" if r.get("gpu") else "")
+        setup = ahead.setup(r, among_stacks=True)
 
         def cell(stack: str, r: dict = r) -> str:
             x = next((x for x in r["stacks"] if x["stack"] == stack), None)

@@ -12,6 +12,7 @@ from pathlib import Path
 from tunekit.config import REPO_ROOT
 from tunekit.results import by_name, format_table
 from tunekit_course import RESULTS, waterfall
+from tunekit_course.ahead import headroom_table
 from tunekit_course.claims import (
     WHOLE_RUNS,
     claims_table,
@@ -106,7 +107,7 @@ def render_readme(text: str, rs: dict[str, dict]) -> str:
     blocks = {"headline": headline(rs), "results": format_table(sorted(step_results(rs), key=lambda r: r["name"])),
               "epochs": whole_runs_table(rs), "fp8band": fp8_band_table(rs), "waterfall": waterfall.table(rs),
               "claims": claims_table(rs, targets=False), "targets": targets_table(rs),
-              "reference": reference_table(rs), "speedpush": speed_table(rs),
+              "reference": reference_table(rs), "speedpush": speed_table(rs), "headroom": headroom_table(rs),
               "trl": trl_table(rs), "families": families.table()}
     for name, body in blocks.items():
         pattern = re.compile(rf"(<!-- {name}:start -->\n)(?:.*?\n)?(<!-- {name}:end -->)", re.DOTALL)

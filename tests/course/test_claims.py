@@ -124,7 +124,7 @@ def test_render_readme_replaces_blocks_and_needs_them():
            "<!-- results:start -->\nOLD-BLOCK\n<!-- results:end -->\n<!-- claims:start -->\n<!-- claims:end -->\n" \
            "<!-- targets:start -->\n<!-- targets:end -->\n" \
            "<!-- reference:start -->\n<!-- reference:end -->\n<!-- speedpush:start -->\n<!-- speedpush:end -->\n" \
-           "<!-- trl:start -->\n<!-- trl:end -->\n<!-- families:start -->\n<!-- families:end -->\nz\n"
+           "<!-- headroom:start -->\n<!-- headroom:end -->\n<!-- trl:start -->\n<!-- trl:end -->\n<!-- families:start -->\n<!-- families:end -->\nz\n"
     out = readme.render_readme(text, {})
     assert "OLD-BLOCK" not in out and "| # | the article says |" in out and "14 days -> 3 (C16): unmeasured" in out
     # the article's claims and tunekit's own targets, each in a table of its own
@@ -133,6 +133,7 @@ def test_render_readme_replaces_blocks_and_needs_them():
     assert "| C16 |" in claims_block and "speed push" not in claims_block and "tunekit's target" not in claims_block
     assert "| speed push | against Unsloth in the same run: LoRA bf16 >= 1.2x" in targets_block and "| C16 |" not in targets_block
     assert "| Qwen2 / 2.5 (`Qwen/Qwen2.5-7B`) | a bias on q/k/v | ✓ |" in out  # families.table()
+    assert "| *(no profile yet)* |" in out  # ahead.headroom_table
     waterfall_block = out.split("<!-- waterfall:start -->")[1].split("<!-- waterfall:end -->")[0]
     assert "| the article's before | unmeasured | | | |" in waterfall_block  # no bars: each said to be missing
     band_block = out.split("<!-- fp8band:start -->")[1].split("<!-- fp8band:end -->")[0]
