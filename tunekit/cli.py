@@ -25,7 +25,14 @@ def apply_environment() -> None:
     reads it at import): TUNEKIT_LORA_BMM=0 computes fused LoRA's FP8 products as plain matmuls
     (`fastlora.LORA_BMM`), to time both in one session; TUNEKIT_BF16_BMM=1 computes its bf16 products as
     batch-of-one `bmm`s (`fastlora.BF16_BMM`); TUNEKIT_FP8_FAST_ACCUM=1 lets the FP8 input gradient's matmul
-    accumulate fast (`fastlora.FAST_ACCUM_BACKWARD`)."""
+    accumulate fast (`fastlora.FAST_ACCUM_BACKWARD`); TUNEKIT_COMPILE_MODE=reduce-overhead (or another of
+    torch.compile's modes) compiles the step in that mode (`speedups.COMPILE_MODE`)."""
+    if mode := os.environ.get("TUNEKIT_COMPILE_MODE"):
+        from tunekit import speedups
+
+        if mode not in speedups.COMPILE_MODES:
+            raise SystemExit(f"tunekit: TUNEKIT_COMPILE_MODE={mode!r}: choose one of {', '.join(speedups.COMPILE_MODES)}")
+        speedups.COMPILE_MODE = mode
     bmm, bf16, fast = (os.environ.get(f"TUNEKIT_{k}") for k in ("LORA_BMM", "BF16_BMM", "FP8_FAST_ACCUM"))
     if bmm is not None or bf16 is not None or fast is not None:
         from tunekit import fastlora

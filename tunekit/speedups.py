@@ -83,6 +83,20 @@ def frozen_heap(enabled: bool = True):
 
 # ---- compilation -----------------------------------------------------------------------------------------
 
+# torch.compile's `mode` for the compiled step: None, its default. "reduce-overhead" captures each compiled graph
+# in a CUDA graph, so a step launch-bound at batch 1 replays its kernels instead of launching each from Python
+# (train_step then marks each step's start: `begin_step`). Set by the command line from TUNEKIT_COMPILE_MODE
+# (`cli.apply_environment`); an experiment until timed on a GPU.
+COMPILE_MODE: str | None = None
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
+
+
+def begin_step() -> None:
+    """Tell CUDA graphs a new step begins, so the last one's outputs may be overwritten; nothing without them."""
+    if COMPILE_MODE == "reduce-overhead":
+        torch.compiler.cudagraph_mark_step_begin()
+
+
 def compile_step(step_module: torch.nn.Module, model, mode: str, dynamic: bool | None = None,
                  recompute: bool = False) -> torch.nn.Module:
     """Compile the step for `mode` and return what to call:
@@ -122,13 +136,13 @@ def compile_step(step_module: torch.nn.Module, model, mode: str, dynamic: bool |
                            "partitioner recomputes; upgrade torch or leave --compile-recompute off")
     if mode == "regional":
         for layer in decoder_layers(model):
-            layer.forward = torch.compile(layer.forward, dynamic=dynamic)
+            layer.forward = torch.compile(layer.forward, dynamic=dynamic, mode=COMPILE_MODE)
     elif mode == "model":
         if _checkpointed(model) and hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
             # a block's forward sets a context variable (transformers' `kernels` hub layers do, where
             # installed): dynamo refuses that inside a checkpoint unless told recomputation may skip it
             torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
-        step_module.forward = torch.compile(step_module.forward, dynamic=dynamic)
+        step_module.forward = torch.compile(step_module.forward, dynamic=dynamic, mode=COMPILE_MODE)
     return step_module
 
 

@@ -106,6 +106,7 @@ def train_step(model, micro_batches: list[dict], optimizer, scheduler, max_grad_
     if n_targets is None:
         n_targets = distributed.all_reduce_sum(count_targets(micro_batches))
     n_targets = max(1, n_targets)
+    speedups.begin_step()
     value = torch.zeros((), device=device)
     scale = as_scale(world / n_targets, device)  # once a step, every micro-batch's input
     with sdpa_context(sdpa_backends):

@@ -389,3 +389,35 @@ def test_convergence_runs_each_optimizer_and_picks_its_best_rate(tmp_path, small
         parse_sweep("sgd=1e-3")
     with pytest.raises(ValueError, match="eval-split"):
         run_convergence(tiny(), sweep, "x")
+
+
+def test_the_compile_mode_reaches_torch_compile_and_cuda_graphs_hear_of_each_step(monkeypatch):
+    """TUNEKIT_COMPILE_MODE (the command line's) sets `speedups.COMPILE_MODE`, which every compiled block is
+    compiled in; under reduce-overhead each train step first tells CUDA graphs a new step begins. An unknown mode
+    stops the command line before anything runs, naming the choices. (The numbers under CUDA graphs: the GPU test
+    test_compiled_blocks_in_cuda_graphs_match_eager.)"""
+    from tunekit import cli
+    from tunekit import model as mdl
+
+    asked, marks = [], []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: asked.append(kw) or fn)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    monkeypatch.setattr(speedups, "COMPILE_MODE", None)
+    model = mdl.apply_lora(mdl.build_model(mdl.llama_config(64, 2, 4, 128, 256, 0, 128), "", torch.float32, "cpu",
+                                           "sdpa", 0), 8, 16)
+    speedups.begin_step()
+    assert marks == []  # torch's default mode: no CUDA graphs to tell
+    monkeypatch.setenv("TUNEKIT_COMPILE_MODE", "reduce-overhead")
+    cli.apply_environment()
+    assert speedups.COMPILE_MODE == "reduce-overhead"
+    asked.clear()  # (building the model compiled transformers' own helpers)
+    speedups.compile_step(StepModule(model, "plain"), model, "regional")
+    assert [kw.get("mode") for kw in asked] == ["reduce-overhead"] * 2, asked  # each of the two blocks
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    ids = torch.randint(0, 256, (1, 16))
+    train_step(model, [{"input_ids": ids, "labels": ids.clone()}], opt, torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda _: 1.0), 1.0, None)
+    assert marks == [1]
+    monkeypatch.setenv("TUNEKIT_COMPILE_MODE", "fastest")
+    with pytest.raises(SystemExit, match="TUNEKIT_COMPILE_MODE='fastest': choose one of default, reduce-overhead"):
+        cli.apply_environment()
