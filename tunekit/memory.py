@@ -181,7 +181,9 @@ class _Entry:
 
 class HostEmbedding(torch.nn.Module):
     """A frozen input-embedding table kept in CPU memory: the lookup runs on the CPU and only the B x S x H
-    rows it returns travel to the GPU."""
+    rows it returns travel to the GPU. Token ids on the host (`step.to_device(..., host_ids=True)`, which the
+    training loop and the bench pass for a model with this table, `host_embedded`) are looked up at once; ids on
+    the GPU first come back to the host, which waits for everything queued before them (the last step's work)."""
 
     def __init__(self, embedding: torch.nn.Embedding, device: torch.device | str):
         super().__init__()
@@ -214,11 +216,17 @@ def _pinned(weight: torch.Tensor) -> torch.Tensor:
     return w.pin_memory() if torch.cuda.is_available() else w
 
 
+def host_embedded(model: torch.nn.Module) -> bool:
+    """Whether `model`'s input embeddings live in CPU memory (`offload_embeddings`): its token ids are best kept
+    on the host."""
+    return isinstance(base_model(model).get_input_embeddings(), HostEmbedding)
+
+
 def offload_embeddings(model: torch.nn.Module) -> None:
     """Move the frozen input-embedding table and LM head to CPU memory (see `HostEmbedding`, `HostLinear`):
     for LoRA/QLoRA, where neither trains, 2 x 2 x vocab x hidden bytes of GPU memory (0.52 GB for
     Llama-2-7B; during the loss the head is back for a moment), for a copy of the head each micro-step
-    (0.26 GB, ~10 ms over PCIe) and a wait for the token ids to reach the host."""
+    (0.26 GB, ~10 ms over PCIe); the token ids stay on the host for the lookup (`host_embedded`)."""
     base = base_model(model)
     table, head = base.get_input_embeddings(), base.get_output_embeddings()
     if table.weight.requires_grad or (head is not None and head.weight.requires_grad):

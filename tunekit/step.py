@@ -15,7 +15,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from tunekit import distributed, speedups
+from tunekit import distributed, memory, speedups
 from tunekit import loss as loss_fn
 from tunekit.attention import sdpa_context
 from tunekit.data import batching
@@ -46,7 +46,7 @@ class StepModule(torch.nn.Module):
         labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
         # position_ids restart at each packed sample: transformers then masks attention per sample.
         inputs = {"input_ids": input_ids, "position_ids": position_ids}
-        with torch.autocast(input_ids.device.type, dtype=autocast_dtype or torch.float32,
+        with torch.autocast(labels.device.type, dtype=autocast_dtype or torch.float32,
                             enabled=autocast_dtype is not None):
             if self.loss != "plain":
                 hidden, head = loss_fn.hidden_and_head(self.model, **inputs)
@@ -79,9 +79,9 @@ def micro_step(model, batch: dict, n_targets: int, autocast_dtype: torch.dtype |
     token loss times `scale` (default `1 / n_targets`). `step_module` (a `StepModule`, perhaps wrapped by
     DDP or FSDP2) is what runs; by default one around `model`."""
     module = step_module if step_module is not None else StepModule(model, loss, autocast_dtype)
-    ids = batch["input_ids"]
-    value = module(ids, batch["labels"], batch.get("position_ids"),
-                   as_scale(1.0 / n_targets if scale is None else scale, ids.device))
+    labels = batch["labels"]  # on the device (the token ids may be on the host: `to_device`)
+    value = module(batch["input_ids"], labels, batch.get("position_ids"),
+                   as_scale(1.0 / n_targets if scale is None else scale, labels.device))
     value.backward()
     return value.detach()
 
@@ -101,7 +101,7 @@ def train_step(model, micro_batches: list[dict], optimizer, scheduler, max_grad_
     `sdpa_backends` (from `attention.sdpa_backends`) holds for forward *and* backward: checkpointing
     recomputes attention in backward."""
     module = step_module if step_module is not None else StepModule(model, loss, autocast_dtype)
-    device = micro_batches[0]["input_ids"].device
+    device = micro_batches[0]["labels"].device
     world = distributed.world_size()
     if n_targets is None:
         n_targets = distributed.all_reduce_sum(count_targets(micro_batches))
@@ -136,8 +136,10 @@ def _eval_forward(step_module):
     return step_module
 
 
-def to_device(batch: dict, device: str) -> dict:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+def to_device(batch: dict, device: str, host_ids: bool = False) -> dict:
+    """`batch` on `device` (copies queued, not waited for); with `host_ids` the token ids stay where they are,
+    on the host, for a model whose embedding table is there (`memory.host_embedded`)."""
+    return {k: v if host_ids and k == "input_ids" else v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
 @torch.no_grad()
@@ -150,15 +152,16 @@ def evaluate(step_module, model, eval_ds, batch_size: int, collate, device: str,
     view = batching.model_columns(eval_ds)
     total, count = torch.zeros((), device=device), 0
     forward = _eval_forward(step_module)
+    host_ids = memory.host_embedded(model)
     model.eval()
     try:
         with torch.no_grad(), sdpa_context(sdpa_backends):
             for i in range(0, len(rows), batch_size):
                 batch = collate([view[j] for j in rows[i:i + batch_size]])
                 batch.pop("attention_mask", None)
-                b = to_device(batch, device)
+                count += count_targets([batch])  # on the host: no wait for the device
+                b = to_device(batch, device, host_ids)
                 total += forward(b["input_ids"], b["labels"], b.get("position_ids"), 1.0).float()
-                count += count_targets([b])
     finally:
         model.train()
     total = distributed.all_reduce_sum(total)

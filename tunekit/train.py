@@ -101,6 +101,7 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
         memory.reset_peak_memory(device)
         losses, eval_losses, saved_at, t_loop, eval_total = [], [], at.step, time.perf_counter(), 0.0
         world, step = distributed.world_size(), at.step
+        host_ids = memory.host_embedded(model)  # the token ids stay on the host for a table there
         with speedups.frozen_heap(cfg.gc_freeze) as refreeze, log:  # what is built, out of the collector's way
             while step < cfg.max_steps:
                 # This rank's samples, real tokens and target tokens, counted on the host before the batches
@@ -111,7 +112,7 @@ def train(cfg: TuneConfig, resume: bool = False, stop_after: int | None = None, 
                     counts[0] += batching.count_samples(batch)
                     counts[1] += int(batch.pop("attention_mask").sum())
                     counts[2] += count_targets([batch])
-                    micro.append(to_device(batch, device))
+                    micro.append(to_device(batch, device, host_ids))
                 stop = state["signal"] is not None
                 if world > 1:  # every rank's counts, and whether any was asked to stop: one collective a step
                     *counts, stop = distributed.all_reduce_sum(torch.tensor([*counts, int(stop)])).tolist()

@@ -78,7 +78,7 @@ def step_result(cfg):
     torch.manual_seed(0)
     model = build_training_model(cfg, cfg.vocab_size, device, dtype, verbose=False)
     opts = step_options(cfg, device, dtype)
-    b = to_device(random_batch(cfg), device)
+    b = to_device(random_batch(cfg), device, memory.host_embedded(model))  # as the training loop moves them
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -126,6 +126,30 @@ def test_offloads_keep_gradients_and_free_memory(streamed, tmp_path, monkeypatch
     kept = 2 if streamed else 0
     assert on_gpu[2] - offloaded[2] > 0.8 * saved_inputs * (cfg.num_layers - kept) / cfg.num_layers, (
         on_gpu[2], offloaded[2])
+
+
+@pytest.mark.parametrize("compile", ["none", "regional"])
+def test_the_offloaded_step_never_waits_for_the_gpu(compile, tmp_path):
+    """The least-memory step (checkpoints and embeddings in CPU memory, as the batch-1 preset) makes no host sync:
+    `torch.cuda.set_sync_debug_mode("error")` raises at any call that waits for the device. The token ids stay on
+    the host for the table there (`to_device(..., host_ids=True)`), so its lookup waits for nothing."""
+    cfg = tiny(**MID, grad_ckpt=True, grad_ckpt_offload=True, embed_offload=True, compile=compile, device="cuda",
+               out_dir=str(tmp_path))
+    device, dtype = resolve_runtime(cfg)
+    model, optimizer, scheduler, opts = build_training(cfg, cfg.vocab_size, device, dtype, 100, verbose=False)
+    batch = random_batch(cfg)
+    n = count_targets([batch])  # on the host, as the training loop counts
+    micro = [to_device(batch, device, memory.host_embedded(model))]
+    assert memory.host_embedded(model) and micro[0]["input_ids"].device.type == "cpu"
+    for _ in range(2):  # compiled, the first step compiles
+        train_step(model, micro, optimizer, scheduler, 1.0, **opts, n_targets=n)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = train_step(model, micro, optimizer, scheduler, 1.0, **opts, n_targets=n)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(out["loss"]).item()
 
 
 def test_host_offload_moves_large_saved_tensors_to_pinned_memory_and_back():
@@ -214,7 +238,7 @@ def built_step_result(cfg, steps: int = 1):
     device, dtype = resolve_runtime(cfg)
     torch.manual_seed(0)
     model, _, _, opts = build_training(cfg, cfg.vocab_size, device, dtype, 100, verbose=False)
-    b = to_device(random_batch(cfg), device)
+    b = to_device(random_batch(cfg), device, memory.host_embedded(model))
     n = count_targets([b])
     with sdpa_context(opts["sdpa_backends"]):
         for _ in range(steps):

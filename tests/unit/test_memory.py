@@ -378,10 +378,12 @@ def test_embeddings_on_the_host_give_the_same_step(tokenizer, batch):
     results = []
     for offload in (False, True):
         model = build(len(tokenizer), "lora", ckpt=True)
+        assert not memory.host_embedded(model)
         if offload:
             memory.offload_embeddings(model)
             assert isinstance(model.get_base_model().get_input_embeddings(), memory.HostEmbedding)
             assert isinstance(model.get_base_model().get_output_embeddings(), memory.HostLinear)
+            assert memory.host_embedded(model)  # the training loop keeps the token ids on the host for it
         loss = micro_step(model, batch, count_targets([batch]), None, "chunked")
         results.append((loss, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
     (l0, g0), (l1, g1) = results
@@ -390,6 +392,19 @@ def test_embeddings_on_the_host_give_the_same_step(tokenizer, batch):
         torch.testing.assert_close(g1[name], g0[name], msg=name)
     with pytest.raises(ValueError, match="only frozen tables"):
         memory.offload_embeddings(build(len(tokenizer), "full", ckpt=False))
+
+
+def test_token_ids_stay_on_the_host_for_a_table_there():
+    """`to_device(..., host_ids=True)`: everything but the token ids goes to the device (a GPU test checks the
+    offloaded step then never waits for the GPU: tests/gpu/test_gpu.py -k never_waits)."""
+    from tunekit.step import to_device
+
+    batch = {"input_ids": torch.ones(2, 4, dtype=torch.long), "labels": torch.ones(2, 4, dtype=torch.long),
+             "position_ids": torch.arange(4).repeat(2, 1)}
+    moved = to_device(batch, "meta", host_ids=True)
+    assert moved["input_ids"] is batch["input_ids"]
+    assert moved["labels"].device.type == moved["position_ids"].device.type == "meta"
+    assert to_device(batch, "meta")["input_ids"].device.type == "meta"
 
 
 def test_the_estimate_per_gpu_under_ddp_and_fsdp2():

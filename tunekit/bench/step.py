@@ -77,7 +77,7 @@ def _bench_step(cfg: TuneConfig, device: str, dtype: torch.dtype, vocab: int, ve
         if cfg.packing == "pack":  # PACKED_DOCS equal samples a row, attending only within themselves
             batch["position_ids"] = packed_positions(cfg.batch_size, cfg.max_length)
         targets += count_targets([batch])  # on the host, once: as `tunekit train` counts each step's
-        micro.append(to_device(batch, device))
+        micro.append(to_device(batch, device, memory.host_embedded(model)))
     targets = distributed.all_reduce_sum(targets)
 
     def step() -> torch.Tensor:  # the step's loss (not synchronised: reading it is the caller's choice)
