@@ -120,19 +120,19 @@ def judge_target(rs: dict[str, dict], t: Target, shape: str) -> dict:
     judged = []
     for runs in _newest(found, t.runs).values():
         ours, theirs = [stack(r, "tunekit") for r in runs], [stack(r, "unsloth") for r in runs]
-        ratio = statistics.median(a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(ours, theirs))
-        gb = max(a["peak_memory_gb"] for a in ours)
+        ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(ours, theirs)]
+        ratio, gb = statistics.median(ratios), max(a["peak_memory_gb"] for a in ours)
         fits = (not t.unsloth_memory or all(a["peak_memory_gb"] <= b["peak_memory_gb"] for a, b in zip(ours, theirs))
                 ) and (t.bound(shape) is None or gb <= t.bound(shape))
         enough = len(runs) >= t.runs
-        judged.append((enough and fits and ratio >= t.ratio, enough, fits, ratio, gb, runs))
-    ok, enough, fits, ratio, gb, runs = max(judged, key=lambda j: j[:4])
+        judged.append((enough and fits and ratio >= t.ratio, enough, fits, ratio, gb, ratios, runs))
+    ok, enough, _, ratio, gb, ratios, runs = max(judged, key=lambda j: j[:4])
     r, ours, theirs = runs[0], stack(runs[0], "tunekit"), stack(runs[0], "unsloth")
     fp8 = ", tunekit's matmuls in FP8" if r["config"].get("fp8") else ""
     if t.runs > 1:
-        ratios = ", ".join(f"{stack(x, 'tunekit')['tokens_per_s'] / stack(x, 'unsloth')['tokens_per_s']:.2f}x"
-                           for x in runs)
-        measured = f"median {ratio:.2f}x Unsloth over {len(runs)} same-run comparison{'s' * (len(runs) > 1)} ({ratios}), at most {gb:.1f} GB"
+        each = ", ".join(f"{x:.2f}x" for x in ratios)
+        measured = (f"median {ratio:.2f}x Unsloth over {len(runs)} same-run comparison{'s' * (len(runs) > 1)} "
+                    f"({each}), at most {gb:.1f} GB")
     else:
         measured = (f"{ratio:.2f}x Unsloth ({ours['tokens_per_s']:,.0f} against {theirs['tokens_per_s']:,.0f} tok/s, "
                     f"{ours['peak_memory_gb']:.1f} against {theirs['peak_memory_gb']:.1f} GB)")
@@ -228,18 +228,18 @@ def headroom_table(rs: dict[str, dict]) -> str:
     rows = [("| profile | step | step, ms (bench) | kernels, ms | matmul | attention | everything else | GPU waiting "
              "| at most, with matmul and attention alone | commit |"), "|---|---|---|---|---|---|---|---|---|---|"]
     profiles = [r for r in rs.values() if str(r.get("call", "")).startswith("bench.profile_step(") and r.get("gpu")]
+    def ms(s: float | None) -> str:
+        return "-" if s is None else f"{1e3 * s:.1f}"
+
     for p in sorted(profiles, key=lambda r: r.get("date", ""), reverse=True):
         h = headroom(p, rs)
-        def ms(s: float | None) -> str:
-            return "-" if s is None else f"{1e3 * s:.1f}"
-
         rest = ", ".join(f"{c} {ms(s)}" for c, s in sorted(h["categories"].items(), key=lambda x: -x[1])
                          if c not in CORE and s >= 5e-4)
         step = "-" if h["step"] is None else f"{ms(h['step'])} (`{h['bench']}`)"
         moved = f" ({ms(h['moved'])} ms recategorized)" if h["moved"] else ""
-        rows.append(f"| `{p['name']}` | {setup(p)} | {step} | {ms(h['kernels'])} | {ms(h['categories'].get('matmul'))} "
-                    f"| {ms(h['categories'].get('attention'))} | {ms(h['rest'])}: {rest} | {ms(h['waiting'])} | "
-                    f"{h['bound']:.2f}x | {(p.get('commit') or '-')[:7]} |".replace(f"| {ms(h['kernels'])} |", f"| {ms(h['kernels'])}{moved} |"))
+        rows.append(f"| `{p['name']}` | {setup(p)} | {step} | {ms(h['kernels'])}{moved} | "
+                    f"{ms(h['categories'].get('matmul'))} | {ms(h['categories'].get('attention'))} | {ms(h['rest'])}: "
+                    f"{rest} | {ms(h['waiting'])} | {h['bound']:.2f}x | {(p.get('commit') or '-')[:7]} |")
     if len(rows) == 2:
         rows.append("| *(no profile yet)* | | | | | | | | | |")
     return "\n".join(rows)
