@@ -6,18 +6,8 @@ browser test (tests/course/test_browser.py) runs lesson 0 in JupyterLab itself."
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
-
-
-def pytest_collection_modifyitems(config, items):
-    # Under pytest-xdist (pyproject.toml) a lesson's cells run in order in one kernel, and the lessons share run
-    # folders with the course's tests: all keep to one process (tests/conftest.py puts those in this group).
-    here = Path(__file__).parent
-    for item in items:
-        if Path(item.path).is_relative_to(here):
-            item.add_marker(pytest.mark.xdist_group("course"))
 
 
 @pytest.hookimpl(wrapper=True)

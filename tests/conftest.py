@@ -20,19 +20,6 @@ from helpers import SMALL_ARCH, read_arith, write_jsonl
 
 from tunekit.presets import tiny
 
-# ---- two processes --------------------------------------------------------------------------------
-
-
-def pytest_collection_modifyitems(config, items):
-    """pyproject.toml runs the suite on two processes (pytest-xdist, `--dist loadgroup`). The course's tests
-    execute lessons, which share their run folders (runs/smoke-results, runs/lesson01, ...): they keep to one
-    process, one after another, with the lessons themselves (notebooks/conftest.py). The rest spreads out."""
-    course = Path(config.rootpath) / "tests" / "course"
-    for item in items:
-        if Path(item.path).is_relative_to(course):
-            item.add_marker(pytest.mark.xdist_group("course"))
-
-
 # ---- environment ---------------------------------------------------------------------------------
 
 
