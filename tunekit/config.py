@@ -217,13 +217,13 @@ class TuneConfig:
     peft's four modules — the frozen weight's gradient never formed; with --fp8 the frozen weights are quantized
     to FP8 once (QLoRA's 4-bit weights: read into FP8 at each use, tunekit/nf4.py). Same parameters and saved
     adapter as peft's."""
-    fast_lora_group: bool = False
+    fast_lora_group: bool = True
     """With --fast-lora: the layers that read one input (q/k/v, gate/up) as one matmul over their concatenated
-    weights, each way (not under FSDP2, whose sharding would split the concatenated weight). Off by default:
-    on the H200 it was +1.2% (FP8) and +1.4% (bf16) for the 7B step, both inside the run-to-run spread, and
-    +4.3 GB (v, a view of the q/k/v output, kept all of it alive for attention's backward): s14_lora_group*.
-    v has storage of its own now (fastlora.KEPT_APART): on an H100 the grouped FP8 step held 62.4 GB instead
-    of 66.7 (s34_lora_fp8_b4 against s31_lora_fp8_b4)."""
+    weights, each way (never under FSDP2, whose sharding would split the concatenated weight; 4-bit layers stay
+    apart). On by default since v got storage of its own (fastlora.KEPT_APART): on an H100 the 7B bf16 step ran
+    17,625 tok/s grouped against 17,095 (each ±1.4%) at 49.5 GB either way (s35_lora_group_b4, s35_lora_fast_b4,
+    one machine), and the grouped FP8 step held 62.4 GB instead of 66.7 (s34_lora_fp8_b4, s31_lora_fp8_b4).
+    Before that, v as a view kept the whole q/k/v output alive (+4.3 GB on the H200, s14_lora_group*)."""
 
     # ---- held-out loss ------------------------------------------------------------------------------
     eval_split: float = 0.0

@@ -26,10 +26,10 @@ is read, and in FP8 quantized, once, one matmul produces all the outputs and, in
 inner dimension runs over every output sums their input gradients (no separate adds). The adapters' A matrices
 are stacked and the B matrices form one block-diagonal matrix, so the LoRA branch is one matmul each way too.
 The model's code is unchanged: the first member called computes the group and leaves its siblings' outputs for
-their own calls with the same input tensor; a sibling called with another input computes alone. On the H200 (7B,
-batch 4, regional compile) it was +1.2% in FP8, +1.4% in bf16 (same within noise) at 4.3 GB more (`s14_lora_group*`
-vs `s14_lora_fast3*`): v, a view of the one q/k/v output, kept it all for attention's backward; v now has storage
-of its own (`KEPT_APART`). An option (`attach(group=True)`, `--fast-lora-group`), not the default.
+their own calls with the same input tensor; a sibling called with another input computes alone. v has storage of
+its own (`KEPT_APART`; as a view it kept the whole q/k/v output, +4.3 GB on the H200, `s14_lora_group*`). On an H100
+the grouped 7B step was 1.03x at the same memory (`s35_lora_group_b4` vs `s35_lora_fast_b4`): `tunekit train`
+groups by default (`--fast-lora-group`), `attach` when asked (`group=True`).
 
 A QLoRA base (bitsandbytes' 4-bit `Linear4bit`) keeps its 4-bit codes and nothing else: `FrozenLoRA4bit` reads them
 (`nf4.dequantize`) where each matmul needs the weight, and with FP8 into FP8 straight away, so QLoRA's memory gets

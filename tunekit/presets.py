@@ -115,7 +115,8 @@ def tunekit_recipe(**overrides) -> TuneConfig:
     """tunekit's recipe, the fastest the course measured that fits one H200: `llama7b_after` (offline
     tokenization, packed rows with per-sample attention, bf16 LoRA without checkpointing, the chunked loss,
     regional compile, fused AdamW, TF32) with the fused LoRA and frozen FP8 base weights (lesson 6). Three
-    epochs, the held-out loss after each."""
+    epochs, the held-out loss after each. Its siblings are grouped, `--fast-lora`'s default now; the whole runs
+    published before that default computed them apart (their result files record `fast_lora_group`)."""
     return llama7b_after(**{"preset": "tunekit_recipe", "fast_lora": True, "fp8": True, "epochs": 3.0,
                             "eval_every": -1, "prefetch_factor": 4, **overrides})  # (4: the article's loader)
 

@@ -83,6 +83,19 @@ def test_speed_up_gives_the_loss_and_gradients_of_the_model_itself(family):
     assert done["fast_lora"].startswith("fused LoRA in 14 linear layers")  # Qwen2's q/k/v biases included
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_grouped_siblings_give_the_loss_and_gradients_of_the_model_itself(family):
+    """With --fast-lora, `tunekit train` computes q/k/v and gate/up each as one matmul by default
+    (`fastlora.attach(group=True)`): the same numbers as the model's own forward on every family."""
+    from tunekit import fastlora
+
+    plain = family_model(family)
+    grouped = copy.deepcopy(plain)
+    assert "4 groups of siblings" in fastlora.attach(grouped, group=True)  # 2 layers: q/k/v and gate/up each
+    ids, labels = batch()
+    assert_same(loss_and_grads(grouped, ids, labels), loss_and_grads(plain, ids, labels))
+
+
 def test_the_trainer_s_token_count_divides_the_summed_loss():
     """Trainer's gradient accumulation passes num_items_in_batch: the loss is the sum over it, as transformers'."""
     plain = family_model("llama")
