@@ -6,9 +6,12 @@ groups in the node id, which pytest 9 no longer lets a plugin change."""
 
 from __future__ import annotations
 
+import pytest
+
 COURSE = ("notebooks/", "tests/course/")
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: none without it (`-p no:xdist`)
 def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") != "load":  # a --dist of the caller's own choice is kept
         return None
