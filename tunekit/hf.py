@@ -177,7 +177,8 @@ def _forward(self, *args, labels=None, num_items_in_batch=None, **kwargs):
     if self._tk_loss == "liger":
         total = speedups.liger_loss(hidden, head.to(hidden.dtype), targets, 1.0)
     else:
-        total = loss_fn.chunked_lm_loss(hidden, head, targets, softcap=loss_fn.softcap_of(self))
+        total = loss_fn.chunked_lm_loss(hidden, head, targets, softcap=loss_fn.softcap_of(self),
+                                        compiled=loss_fn.compiled_for(self))
     count = num_items_in_batch if num_items_in_batch is not None else (targets != IGNORE).sum().clamp(min=1)
     if torch.is_tensor(count):
         count = count.to(total.device)

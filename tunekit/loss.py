@@ -16,9 +16,15 @@ Liger Kernel's fused linear cross-entropy (https://arxiv.org/abs/2410.10989), he
 The numbers are those of the plain path: the logits come from the same bf16 matmul and are upcast to
 fp32 for the softmax, and the gradient goes back through the head in the head's dtype, as autocast does
 (tests/unit/test_loss.py compares losses and gradients).
+
+Under a regionally compiled step (`speedups.compile_step`) each chunk's softmax, loss and gradient run as
+compiled code (`_loss_and_grad`): two reads of the chunk's logits and one write of its gradient, where the eager
+code, in place for the least memory, passes over fp32 copies of them several times.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -34,38 +40,78 @@ def chunk_tokens(vocab: int, elements: int = DEFAULT_CHUNK_ELEMENTS) -> int:
     return 1 << (n.bit_length() - 1)
 
 
+def _loss_and_grad(logits, y, scale, softcap: float):
+    """One chunk's summed token loss (fp32) and its gradient with respect to the head's output, in that output's
+    dtype: the chunk's elementwise work as functions, for `torch.compile`. Compiled, it reads the logits twice (the
+    row reduction, then the gradient written once); eager, the in-place code of `_ChunkedLMLoss` writes fp32 copies
+    of them several times: at a 128k vocabulary that traffic is a few percent of a 7B step (an estimate)."""
+    z = logits.float()
+    if softcap:
+        capped = torch.tanh(z / softcap)
+        z = capped * softcap
+    lse = torch.logsumexp(z, dim=-1)
+    valid = y != IGNORE
+    safe = torch.where(valid, y, 0)
+    total = torch.where(valid, lse - z.gather(1, safe[:, None]).squeeze(1), 0.0).sum()
+    onehot = torch.arange(z.shape[1], device=z.device)[None, :] == safe[:, None]
+    g = (torch.exp(z - lse[:, None]) - onehot.to(z.dtype)) * (valid.to(z.dtype) * scale)[:, None]
+    if softcap:  # through the soft-cap: d(logits)/dz = 1 - tanh^2
+        g = g * (1.0 - capped * capped)
+    return total, g.to(logits.dtype)
+
+
+_compiled = None
+
+
+def _compiled_loss_and_grad():
+    """`_loss_and_grad` through `torch.compile`, built on first use (one per process)."""
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(_loss_and_grad)
+    return _compiled
+
+
 class _ChunkedLMLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, scale, chunk, softcap):
+    def forward(ctx, hidden, weight, labels, scale, chunk, softcap, compiled):
         # hidden (N, H) in the compute dtype, weight (V, H), labels (N,); returns sum of token losses * scale.
         # softcap > 0: the logits are softcap * tanh(z / softcap) of the head's z (Gemma 2's final soft-capping),
-        # and the gradient of z is that of the logits times 1 - tanh^2.
+        # and the gradient of z is that of the logits times 1 - tanh^2. compiled: the elementwise work of each
+        # chunk by `_loss_and_grad` compiled, else eagerly in place (the least memory).
         n = hidden.shape[0]
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
             if weight.requires_grad else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        fused = _compiled_loss_and_grad() if compiled else None
+        if fused is not None and not torch.is_tensor(scale):  # a float would be a constant of the compiled code
+            scale = torch.tensor(scale, dtype=torch.float32, device=hidden.device)
         for start in range(0, n, chunk):
             h, y = hidden[start:start + chunk], labels[start:start + chunk]
-            logits = (h @ weight.t()).float()  # the same bf16 matmul as the LM head, upcast for the softmax
-            if softcap:
-                capped = torch.tanh(logits / softcap)
-                logits = capped * softcap
-            lse = torch.logsumexp(logits, dim=-1)
-            valid = y != IGNORE
-            safe = torch.where(valid, y, 0)
-            picked = logits.gather(1, safe[:, None]).squeeze(1)
-            total += torch.where(valid, lse - picked, 0.0).sum()
-            probs = logits.sub_(lse[:, None]).exp_()  # in place: softmax, the logits are not needed again
-            probs[torch.arange(len(y), device=y.device), safe] -= 1.0
-            probs.mul_((valid.to(probs.dtype) * scale)[:, None])  # d(loss)/d(logits)
-            if softcap:  # through the soft-cap: d(logits)/dz = 1 - tanh^2
-                probs.mul_(capped.mul_(capped).neg_().add_(1.0))
-            g = probs.to(weight.dtype)
+            if fused is not None:
+                part, g = fused(h @ weight.t(), y, scale, softcap)
+                total += part
+            else:
+                logits = (h @ weight.t()).float()  # the same bf16 matmul as the LM head, upcast for the softmax
+                if softcap:
+                    capped = torch.tanh(logits / softcap)
+                    logits = capped * softcap
+                lse = torch.logsumexp(logits, dim=-1)
+                valid = y != IGNORE
+                safe = torch.where(valid, y, 0)
+                picked = logits.gather(1, safe[:, None]).squeeze(1)
+                total += torch.where(valid, lse - picked, 0.0).sum()
+                probs = logits.sub_(lse[:, None]).exp_()  # in place: softmax, the logits are not needed again
+                probs[torch.arange(len(y), device=y.device), safe] -= 1.0
+                probs.mul_((valid.to(probs.dtype) * scale)[:, None])  # d(loss)/d(logits)
+                if softcap:  # through the soft-cap: d(logits)/dz = 1 - tanh^2
+                    probs.mul_(capped.mul_(capped).neg_().add_(1.0))
+                g = probs.to(weight.dtype)
+                del logits, probs
             grad_hidden[start:start + chunk] = g @ weight
             if grad_weight is not None:  # summed over chunks in fp32
                 grad_weight += (g.t() @ h).float()
-            del logits, probs, g
+            del g
         ctx.save_for_backward(grad_hidden, grad_weight)
         return total * scale
 
@@ -74,16 +120,18 @@ class _ChunkedLMLoss(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         gh = grad_hidden * grad_out.to(grad_hidden.dtype)
         gw = None if grad_weight is None else (grad_weight * grad_out).to(grad_hidden.dtype)
-        return gh, gw, None, None, None, None
+        return gh, gw, None, None, None, None, None
 
 
 def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, scale: float = 1.0,
-                    chunk: int | None = None, softcap: float = 0.0) -> torch.Tensor:
+                    chunk: int | None = None, softcap: float = 0.0, compiled: bool = False) -> torch.Tensor:
     """sum over tokens of cross_entropy(hidden @ weight.T, labels) * scale, without holding the logits.
 
     `hidden` is (..., H), `labels` the matching (...) targets, already shifted, `IGNORE` where no loss;
     `weight` is the LM head's (V, H). `scale` is usually 1 / (target tokens in the step). `softcap` > 0: the
-    logits soft-capped as Gemma 2 does (`softcap_of`)."""
+    logits soft-capped as Gemma 2 does (`softcap_of`). `compiled`: each chunk's elementwise work compiled
+    (`_loss_and_grad`; `compiled_for` says whether a model's step asked for it), not under a compile already
+    tracing this call."""
     h = hidden.reshape(-1, hidden.shape[-1])
     if weight.dtype != h.dtype:  # under autocast the head would run in the autocast dtype
         weight = weight.to(h.dtype)
@@ -91,7 +139,20 @@ def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     if y.shape[0] != h.shape[0]:
         raise ValueError(f"chunked_lm_loss: {h.shape[0]} hidden states but {y.shape[0]} labels")
     scale = scale if torch.is_tensor(scale) else float(scale)  # a tensor: a compiled step's input (step.as_scale)
-    return _ChunkedLMLoss.apply(h, weight, y, scale, chunk or chunk_tokens(weight.shape[0]), float(softcap or 0))
+    return _ChunkedLMLoss.apply(h, weight, y, scale, chunk or chunk_tokens(weight.shape[0]), float(softcap or 0),
+                               compiled and not torch.compiler.is_compiling())
+
+
+def compile_with(model) -> None:
+    """Mark `model` so that its chunked loss runs compiled (`speedups.compile_step`'s regional mode does)."""
+    base_model(model)._tk_compiled_loss = True
+
+
+def compiled_for(model) -> bool:
+    """Whether `model`'s chunked loss runs compiled (`compile_with`); `TUNEKIT_COMPILED_LOSS=0` keeps it eager
+    (to time one against the other in the same run)."""
+    return bool(getattr(base_model(model), "_tk_compiled_loss", False)) \
+        and os.environ.get("TUNEKIT_COMPILED_LOSS", "1") != "0"
 
 
 def softcap_of(model) -> float:

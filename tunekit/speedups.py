@@ -30,6 +30,7 @@ import time
 
 import torch
 
+from tunekit import loss as loss_fn
 from tunekit.model import base_model, decoder_layers
 from tunekit.validation import COMPILE
 
@@ -105,7 +106,8 @@ def compile_step(step_module: torch.nn.Module, model, mode: str, dynamic: bool |
       same code on parameters of the same shapes, so one compiled graph serves them all (a second for the
       first block, whose input does not require grad under LoRA): seconds, not minutes. Hooks stay outside
       the compiled region — checkpointing's and FSDP2's — so the order checkpointing -> compile -> FSDP
-      holds whatever wraps the blocks.
+      holds whatever wraps the blocks. The chunked loss's elementwise work (`loss._loss_and_grad`) is compiled
+      too.
     - `model`: the whole step (decoder, LM head and loss) as one graph: more room to fuse, longer to compile.
       Not under FSDP2 (its per-block hooks would sit inside the graph): use `regional` there. With
       checkpointing this is what `torch.compile(model)` gives in a plain HF script (the article's checklist):
@@ -137,6 +139,7 @@ def compile_step(step_module: torch.nn.Module, model, mode: str, dynamic: bool |
     if mode == "regional":
         for layer in decoder_layers(model):
             layer.forward = torch.compile(layer.forward, dynamic=dynamic, mode=COMPILE_MODE)
+        loss_fn.compile_with(model)  # and the chunked loss's elementwise work, where the step uses it
     elif mode == "model":
         if _checkpointed(model) and hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
             # a block's forward sets a context variable (transformers' `kernels` hub layers do, where

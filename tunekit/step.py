@@ -58,7 +58,8 @@ class StepModule(torch.nn.Module):
             if self.loss == "liger":
                 return speedups.liger_loss(hidden.to(dtype), head, labels, scale)
             return loss_fn.chunked_lm_loss(hidden.to(dtype), head, labels, scale,
-                                           softcap=loss_fn.softcap_of(self.model))
+                                           softcap=loss_fn.softcap_of(self.model),
+                                           compiled=loss_fn.compiled_for(self.model))
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.reshape(-1),
                                ignore_index=IGNORE, reduction="sum") * scale
 

@@ -47,6 +47,37 @@ def test_chunked_loss_matches_cross_entropy(chunk, head_trains, softcap):
         assert gw1 is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_chunks_give_the_eager_chunks_loss_and_gradients(dtype):
+    # the elementwise work compiled (`compiled=True`, what a regionally compiled step uses) against the eager,
+    # in-place code: uneven chunks, ignored labels, soft-capping and a tensor scale, the head trained
+    g = torch.Generator().manual_seed(0)
+    n, h, v = 50, 16, 37
+    hidden = torch.randn(n, h, generator=g).to(dtype).requires_grad_()
+    weight = torch.randn(v, h, generator=g).to(dtype).requires_grad_()
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[::5] = loss.IGNORE
+    for softcap, scale in ((0.0, 1 / 40), (3.0, torch.tensor(1 / 40))):
+        results = []
+        for compiled in (False, True):
+            hidden.grad = weight.grad = None
+            value = loss.chunked_lm_loss(hidden, weight, labels, scale, chunk=7, softcap=softcap, compiled=compiled)
+            (value * 3).backward()
+            results.append((value.detach(), hidden.grad.clone(), weight.grad.clone()))
+        tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-3}
+        for eager, fused in zip(*results):
+            torch.testing.assert_close(fused, eager, **tol)
+
+
+def test_regional_compile_marks_the_loss_compiled():
+    from tunekit import speedups
+
+    model = small_model(64)
+    assert not loss.compiled_for(model)
+    speedups.compile_step(model, model, "regional")
+    assert loss.compiled_for(model)
+
+
 def test_all_ignored_gives_zero_loss_and_gradient():
     hidden = torch.randn(6, 8, requires_grad=True)
     value = loss.chunked_lm_loss(hidden, torch.randn(11, 8), torch.full((6,), loss.IGNORE), chunk=4)
