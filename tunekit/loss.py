@@ -41,11 +41,10 @@ def chunk_tokens(vocab: int, elements: int = DEFAULT_CHUNK_ELEMENTS) -> int:
 
 
 def _loss_and_grad(logits, y, scale, softcap: float):
-    """One chunk's summed token loss (fp32) and its gradient with respect to the head's output, in that output's
-    dtype: the chunk's elementwise work as functions, for `torch.compile`. Compiled, it reads the logits twice (the
-    row reduction, then the gradient written once); eager, the in-place code of `_ChunkedLMLoss` writes fp32 copies
-    of them several times: at a 128k vocabulary that traffic is a few percent of a 7B step (an estimate)."""
-    z = logits.float()
+    """One chunk's summed token loss (fp32) and its gradient with respect to the head's output `logits`, in their
+    dtype. Eager, it works in place on one fp32 copy of the logits (the least memory); compiled
+    (`_compiled_loss_and_grad`), the same steps become two reads of the logits and one write of the gradient."""
+    z = logits.float()  # the head's bf16 matmul, upcast for the softmax
     if softcap:
         capped = torch.tanh(z / softcap)
         z = capped * softcap
@@ -53,10 +52,14 @@ def _loss_and_grad(logits, y, scale, softcap: float):
     valid = y != IGNORE
     safe = torch.where(valid, y, 0)
     total = torch.where(valid, lse - z.gather(1, safe[:, None]).squeeze(1), 0.0).sum()
-    onehot = torch.arange(z.shape[1], device=z.device)[None, :] == safe[:, None]
-    g = (torch.exp(z - lse[:, None]) - onehot.to(z.dtype)) * (valid.to(z.dtype) * scale)[:, None]
+    g = z.sub_(lse[:, None]).exp_()  # softmax, in place: the logits are not needed again
+    if torch.compiler.is_compiling():  # the label's -1 as a comparison, which fuses into the one pass
+        g = g - (torch.arange(g.shape[1], device=g.device)[None, :] == safe[:, None]).to(g.dtype)
+    else:  # in place, no full-size temporary
+        g[torch.arange(len(y), device=y.device), safe] -= 1.0
+    g.mul_((valid.to(g.dtype) * scale)[:, None])  # d(loss)/d(logits)
     if softcap:  # through the soft-cap: d(logits)/dz = 1 - tanh^2
-        g = g * (1.0 - capped * capped)
+        g.mul_(capped.mul_(capped).neg_().add_(1.0))
     return total, g.to(logits.dtype)
 
 
@@ -76,38 +79,19 @@ class _ChunkedLMLoss(torch.autograd.Function):
     def forward(ctx, hidden, weight, labels, scale, chunk, softcap, compiled):
         # hidden (N, H) in the compute dtype, weight (V, H), labels (N,); returns sum of token losses * scale.
         # softcap > 0: the logits are softcap * tanh(z / softcap) of the head's z (Gemma 2's final soft-capping),
-        # and the gradient of z is that of the logits times 1 - tanh^2. compiled: the elementwise work of each
-        # chunk by `_loss_and_grad` compiled, else eagerly in place (the least memory).
+        # and the gradient of z is that of the logits times 1 - tanh^2 (`_loss_and_grad`, compiled or not).
         n = hidden.shape[0]
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
             if weight.requires_grad else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        fused = _compiled_loss_and_grad() if compiled else None
-        if fused is not None and not torch.is_tensor(scale):  # a float would be a constant of the compiled code
+        chunk_fn = _compiled_loss_and_grad() if compiled else _loss_and_grad
+        if compiled and not torch.is_tensor(scale):  # a float would be a constant of the compiled code
             scale = torch.tensor(scale, dtype=torch.float32, device=hidden.device)
         for start in range(0, n, chunk):
             h, y = hidden[start:start + chunk], labels[start:start + chunk]
-            if fused is not None:
-                part, g = fused(h @ weight.t(), y, scale, softcap)
-                total += part
-            else:
-                logits = (h @ weight.t()).float()  # the same bf16 matmul as the LM head, upcast for the softmax
-                if softcap:
-                    capped = torch.tanh(logits / softcap)
-                    logits = capped * softcap
-                lse = torch.logsumexp(logits, dim=-1)
-                valid = y != IGNORE
-                safe = torch.where(valid, y, 0)
-                picked = logits.gather(1, safe[:, None]).squeeze(1)
-                total += torch.where(valid, lse - picked, 0.0).sum()
-                probs = logits.sub_(lse[:, None]).exp_()  # in place: softmax, the logits are not needed again
-                probs[torch.arange(len(y), device=y.device), safe] -= 1.0
-                probs.mul_((valid.to(probs.dtype) * scale)[:, None])  # d(loss)/d(logits)
-                if softcap:  # through the soft-cap: d(logits)/dz = 1 - tanh^2
-                    probs.mul_(capped.mul_(capped).neg_().add_(1.0))
-                g = probs.to(weight.dtype)
-                del logits, probs
+            part, g = chunk_fn(h @ weight.t(), y, scale, softcap)
+            total += part
             grad_hidden[start:start + chunk] = g @ weight
             if grad_weight is not None:  # summed over chunks in fp32
                 grad_weight += (g.t() @ h).float()
