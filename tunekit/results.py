@@ -82,7 +82,7 @@ def git_state() -> tuple[str | None, bool | None]:
 
 # environment variables that change a run's arithmetic or kernels
 BEHAVIOUR_ENV = ("TUNEKIT_LORA_BMM", "TUNEKIT_BF16_BMM", "TUNEKIT_OFFLOAD_STREAM", "TUNEKIT_FP8_FAST_ACCUM",
-                 "TUNEKIT_COMPILE_MODE")
+                 "TUNEKIT_COMPILE_MODE", "TUNEKIT_COMPILED_LOSS")
 
 
 def entry_point() -> str:

@@ -145,6 +145,11 @@ def shown(path: str | Path) -> str:
     return str(path.relative_to(REPO_ROOT)) if path.is_absolute() and path.is_relative_to(REPO_ROOT) else str(path)
 
 
+def command_line(args) -> str:
+    """A command's arguments as a lesson prints them: a path inside the checkout relative to it (`shown`)."""
+    return " ".join(shown(a) if os.path.isabs(str(a)) else str(a) for a in args)
+
+
 _SITE_PACKAGES = re.compile(r"(?:/[^\s'\"]+)?/(?:site|dist)-packages/")
 
 
@@ -396,7 +401,7 @@ def run(*args: str, check: bool = True, env: dict | None = None, cwd: Path | Non
         return 0
     cmd = [sys.executable, "-m", "tunekit.cli", *map(str, args)]
     extra = " ".join(f"{k}={shown(v)}" for k, v in (env or {}).items())
-    print(f"$ {extra + ' ' if extra else ''}tunekit " + " ".join(map(str, args)), flush=True)
+    print(f"$ {extra + ' ' if extra else ''}tunekit {command_line(args)}", flush=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1", **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
     logged = []
@@ -425,8 +430,8 @@ def torchrun(nproc: int, *args: str, env: dict | None = None, check: bool = True
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     extra = " ".join(f"{k}={shown(v)}" for k, v in (env or {}).items())
-    print(f"$ {extra + ' ' if extra else ''}torchrun --nproc_per_node {nproc} -m tunekit.cli "
-          + " ".join(map(str, args)), flush=True)
+    print(f"$ {extra + ' ' if extra else ''}torchrun --nproc_per_node {nproc} -m tunekit.cli {command_line(args)}",
+          flush=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
            "127.0.0.1", "--master_port", str(port), "-m", "tunekit.cli", *map(str, args)]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1",

@@ -163,6 +163,9 @@ def test_a_command_s_output_is_printed_without_this_machine_s_folders():
     assert notebook.tidy(log).endswith(" in site-packages/transformers/models/llama/modeling_llama.py:295")
     assert notebook.tidy('  File "/usr/lib/python3/dist-packages/x.py", line 3') == '  File "site-packages/x.py", line 3'
     assert notebook.tidy("torch/_dynamo/guards.py:4760] same") == "torch/_dynamo/guards.py:4760] same"
+    # the command a lesson echoes before running it: its folders inside the checkout relative to it
+    assert notebook.command_line(["databench", "--out-dir", REPO_ROOT / "runs" / "lesson01", "--steps", 15]) == \
+        "databench --out-dir runs/lesson01 --steps 15"
     # the command that made a published result, recorded on another machine: none of its folders either
     r = {"entry": "tunekit bench --preset llama7b_lora --compare --unsloth-site /srv/lab/checkout/.unsite --data "
                   "/srv/lab/checkout/.gpudata/head/runs/gsm8k/train.jsonl --out /srv/out/r --tokenizer /tmp/tok"}
