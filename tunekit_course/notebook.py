@@ -905,12 +905,21 @@ def measure_scaling(gpus: int, workloads: tuple[str, ...] = tuple(SCALING_WORKLO
         measure(name, n, *args, env=env)
 
 
+def skipped_sections() -> dict[str, str]:
+    """{section of lesson 4: why it skips on this machine} for the sections whose package is missing here."""
+    from tunekit import speedups
+
+    needs = {"kernels": speedups.liger_available, "fp8": speedups.fp8_available}
+    return {section: why for section, check in needs.items() if (why := check())}
+
+
 def gpu_count() -> int:
     return torch.cuda.device_count() if on_gpu() else 0
 
 
 def main(argv: list[str]) -> int:
-    # python -m tunekit_course.notebook NOTEBOOK...        execute notebooks in place
+    # python -m tunekit_course.notebook [--strict] NOTEBOOK...  execute notebooks in place (--strict: not on a GPU
+    #                                                      where a lesson's section would skip for want of a package)
     # python -m tunekit_course.notebook --measure 4 GPUS   lesson 4's plan on GPUS GPUs at once (the notebook then reads it)
     # python -m tunekit_course.notebook --measure 4 GPUS SECTION,SECTION   only those sections
     # python -m tunekit_course.notebook --measure scaling GPUS [WORKLOAD,...]  1, 2, 4, 8 GPUs up to GPUS
@@ -931,20 +940,25 @@ def main(argv: list[str]) -> int:
               "[NAME,...]", file=sys.stderr)
         return 2
     elif argv[:1] == ["--measure"]:
-        from tunekit import speedups
-
         plan = lesson4_plan(on_gpu())
         wanted = argv[3].split(",") if len(argv) > 3 else list(plan)
         # as the lesson's cells do: a section whose package is missing here is skipped, saying why
-        needs = {"kernels": speedups.liger_available, "fp8": speedups.fp8_available}
-        for section in [s for s in wanted if s in needs and plan.get(s) and needs[s]()]:
-            print(f"{section}: skipped: {needs[section]()}")
+        missing = skipped_sections()
+        for section in [s for s in wanted if s in missing and plan.get(s)]:
+            print(f"{section}: skipped: {missing[section]}")
             wanted.remove(section)
         measure_in_parallel([item for s in wanted for item in plan[s]], int(argv[2]))
     else:
         from tunekit_course import pages
 
-        for arg in argv:
+        strict = "--strict" in argv
+        if on_gpu() and (missing := skipped_sections()):  # said before the minutes of a run, not found after
+            for section, why in missing.items():
+                print(f"lesson 4's {section} section will be skipped here: {why}", file=sys.stderr)
+            if strict:
+                print("--strict: not executing with sections skipped", file=sys.stderr)
+                return 2
+        for arg in (a for a in argv if a != "--strict"):
             print(f"executed {pages.execute(arg)}")
         return 0
     print(f"results -> {shown(results_dir())} (publish them with: python -m tunekit_course.notebook --publish)")

@@ -473,6 +473,22 @@ def test_measure_takes_lesson_4_or_scaling_and_points_lesson_5_to_fullrun(monkey
     assert "python -m tunekit_course.fullrun SECONDS" in capsys.readouterr().err
 
 
+def test_executing_on_a_gpu_says_first_which_sections_will_skip_and_strict_refuses(fake_gpu, monkeypatch, capsys):
+    from tunekit import speedups
+    from tunekit_course import pages
+
+    ran = []
+    monkeypatch.setattr(pages, "execute", lambda path: ran.append(path) or path)
+    monkeypatch.setattr(speedups, "fp8_available", lambda: "torchao is not installed (pip install torchao)")
+    monkeypatch.setattr(speedups, "liger_available", lambda: "")
+    assert notebook.main(["--strict", "notebooks/04_speedups.ipynb"]) == 2 and not ran
+    err = capsys.readouterr().err
+    assert "lesson 4's fp8 section will be skipped here: torchao is not installed" in err and "kernels" not in err
+    assert notebook.main(["notebooks/04_speedups.ipynb"]) == 0 and ran == ["notebooks/04_speedups.ipynb"]
+    monkeypatch.setattr(speedups, "fp8_available", lambda: "")
+    assert notebook.main(["--strict", "notebooks/00_quickstart.ipynb"]) == 0 and ran[-1] == "notebooks/00_quickstart.ipynb"
+
+
 def test_intro_says_what_it_measures_and_how_long_the_published_run_took(fake_gpu, monkeypatch, capsys):
     minutes = notebook.lesson_seconds("l4_") / 60
     assert 5 < minutes < 60  # lesson 4's published results: builds, warm-ups and steps, the convergence races
