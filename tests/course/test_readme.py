@@ -103,3 +103,9 @@ def test_keeping_the_committed_outputs_is_said_once_in_the_readme():
     for path in lessons:
         first = "".join(json.loads(path.read_text())["cells"][0]["source"])
         assert "*Keeping the committed outputs*" in first and "autosave" not in first.lower(), path.name
+
+
+def test_readme_names_no_issue_of_the_project():
+    # a reader of the README has no access to the project's issue tracker: what an issue decided is said in words
+    found = [line for line in README.splitlines() if re.search(r"\bissues? ?#?\d+\b", line, re.IGNORECASE)]
+    assert not found, found
