@@ -24,6 +24,7 @@ code, in place for the least memory, passes over fp32 copies of them several tim
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -63,15 +64,10 @@ def _loss_and_grad(logits, y, scale, softcap: float):
     return total, g.to(logits.dtype)
 
 
-_compiled = None
-
-
+@functools.cache
 def _compiled_loss_and_grad():
     """`_loss_and_grad` through `torch.compile`, built on first use (one per process)."""
-    global _compiled
-    if _compiled is None:
-        _compiled = torch.compile(_loss_and_grad)
-    return _compiled
+    return torch.compile(_loss_and_grad)
 
 
 class _ChunkedLMLoss(torch.autograd.Function):
@@ -86,8 +82,6 @@ class _ChunkedLMLoss(torch.autograd.Function):
             if weight.requires_grad else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         chunk_fn = _compiled_loss_and_grad() if compiled else _loss_and_grad
-        if compiled and not torch.is_tensor(scale):  # a float would be a constant of the compiled code
-            scale = torch.tensor(scale, dtype=torch.float32, device=hidden.device)
         for start in range(0, n, chunk):
             h, y = hidden[start:start + chunk], labels[start:start + chunk]
             part, g = chunk_fn(h @ weight.t(), y, scale, softcap)
@@ -122,9 +116,12 @@ def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     y = labels.reshape(-1).to(h.device)
     if y.shape[0] != h.shape[0]:
         raise ValueError(f"chunked_lm_loss: {h.shape[0]} hidden states but {y.shape[0]} labels")
-    scale = scale if torch.is_tensor(scale) else float(scale)  # a tensor: a compiled step's input (step.as_scale)
+    compiled = compiled and not torch.compiler.is_compiling()
+    if not torch.is_tensor(scale):  # a tensor: a compiled step's input (step.as_scale)
+        # compiled chunks take it as a tensor too: a float would be a constant of their code
+        scale = torch.tensor(float(scale), dtype=torch.float32, device=h.device) if compiled else float(scale)
     return _ChunkedLMLoss.apply(h, weight, y, scale, chunk or chunk_tokens(weight.shape[0]), float(softcap or 0),
-                               compiled and not torch.compiler.is_compiling())
+                               compiled)
 
 
 def compile_with(model) -> None:
