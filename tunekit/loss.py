@@ -101,6 +101,16 @@ class _ChunkedLMLoss(torch.autograd.Function):
         return gh, gw, None, None, None, None, None
 
 
+def as_scale(scale: float | torch.Tensor, device) -> torch.Tensor:
+    """The loss's scale as a 0-d float32 tensor on `device`: a compiled forward then takes it as an input.
+    Passed as a Python float, dynamo guards on its value: it changes every step (1 / the step's targets), so
+    each step traced the loss again until torch's recompile limit (8) sent that frame back to eager (seen on an
+    H200 with the whole QLoRA model compiled, where a graph break left the loss in a frame of its own)."""
+    if torch.is_tensor(scale):
+        return scale
+    return torch.full((), float(scale), dtype=torch.float32, device=device)
+
+
 def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, scale: float = 1.0,
                     chunk: int | None = None, softcap: float = 0.0, compiled: bool = False) -> torch.Tensor:
     """sum over tokens of cross_entropy(hidden @ weight.T, labels) * scale, without holding the logits.
@@ -117,9 +127,8 @@ def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     if y.shape[0] != h.shape[0]:
         raise ValueError(f"chunked_lm_loss: {h.shape[0]} hidden states but {y.shape[0]} labels")
     compiled = compiled and not torch.compiler.is_compiling()
-    if not torch.is_tensor(scale):  # a tensor: a compiled step's input (step.as_scale)
-        # compiled chunks take it as a tensor too: a float would be a constant of their code
-        scale = torch.tensor(float(scale), dtype=torch.float32, device=h.device) if compiled else float(scale)
+    # a tensor: a compiled step's input; compiled chunks take it as one too (a float would be a constant of their code)
+    scale = as_scale(scale, h.device) if compiled or torch.is_tensor(scale) else float(scale)
     return _ChunkedLMLoss.apply(h, weight, y, scale, chunk or chunk_tokens(weight.shape[0]), float(softcap or 0),
                                compiled)
 

@@ -64,16 +64,6 @@ class StepModule(torch.nn.Module):
                                ignore_index=IGNORE, reduction="sum") * scale
 
 
-def as_scale(scale: float | torch.Tensor, device) -> torch.Tensor:
-    """The loss's scale as a 0-d float32 tensor on `device`: a compiled forward then takes it as an input.
-    Passed as a Python float, dynamo guards on its value: it changes every step (1 / the step's targets), so
-    each step traced the loss again until torch's recompile limit (8) sent that frame back to eager (seen on an
-    H200 with the whole QLoRA model compiled, where a graph break left the loss in a frame of its own)."""
-    if torch.is_tensor(scale):
-        return scale
-    return torch.full((), float(scale), dtype=torch.float32, device=device)
-
-
 def micro_step(model, batch: dict, n_targets: int, autocast_dtype: torch.dtype | None,
                loss: str = "plain", scale: float | None = None, step_module=None) -> torch.Tensor:
     """Forward and backward on one micro-batch; returns its share of the step loss (detached): its summed
@@ -82,7 +72,7 @@ def micro_step(model, batch: dict, n_targets: int, autocast_dtype: torch.dtype |
     module = step_module if step_module is not None else StepModule(model, loss, autocast_dtype)
     labels = batch["labels"]  # on the device (the token ids may be on the host: `to_device`)
     value = module(batch["input_ids"], labels, batch.get("position_ids"),
-                   as_scale(1.0 / n_targets if scale is None else scale, labels.device))
+                   loss_fn.as_scale(1.0 / n_targets if scale is None else scale, labels.device))
     value.backward()
     return value.detach()
 
@@ -109,7 +99,7 @@ def train_step(model, micro_batches: list[dict], optimizer, scheduler, max_grad_
     n_targets = max(1, n_targets)
     speedups.begin_step()
     value = torch.zeros((), device=device)
-    scale = as_scale(world / n_targets, device)  # once a step, every micro-batch's input
+    scale = loss_fn.as_scale(world / n_targets, device)  # once a step, every micro-batch's input
     with sdpa_context(sdpa_backends):
         for i, b in enumerate(micro_batches):
             with distributed.gradient_sync(module, enabled=i == len(micro_batches) - 1):
