@@ -108,7 +108,8 @@ COMMANDS: dict[str, Command] = {
                 "HF+peft stack, tunekit and Unsloth (one process each); one result with the ratios and a chart "
                 "beside it (default name compare_<preset>)"),
             arg("--stacks", default="hf_peft,tunekit,unsloth", help="with --compare: which stacks, in order"),
-            arg("--unsloth-site", default=None, help="with --compare: the folder build-unsloth-site made (default "
+            arg("--unsloth-site", default=None, help="with --compare: Unsloth's folder of packages, as `python -m "
+                "tunekit_course.unsloth_site` builds it (default "
                 "$TUNEKIT_UNSLOTH_SITE, else .unsite/ in the repo when there)"))),
     "converge": Command(
         "train once per optimizer and learning rate; compare held-out losses",

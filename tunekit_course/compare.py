@@ -8,7 +8,7 @@
 - `tunekit`: the config's own step, as `tunekit bench` times it (`bench._bench_step`).
 - `unsloth`: Unsloth's `FastLanguageModel` with its LoRA (`get_peft_model`), its checkpointing when the config
   asks for it, the same optimizer. Unsloth needs packages of its own (datasets < 5), so it runs from a separate
-  site folder (`--unsloth-site`, built by `../shared/gpu/build-unsloth-site`), offline, from a random-init
+  site folder (`--unsloth-site`, built by `python -m tunekit_course.unsloth_site`), offline, from a random-init
   model and tokenizer saved locally with the same seed as the other two.
 
 Each stack runs in a fresh process (its GPU memory gone when it exits; Unsloth patches transformers on import),
@@ -199,7 +199,7 @@ def _run_stack(stack: str, cfg, folder: str) -> dict:
 
 
 def default_unsloth_site() -> str:
-    """$TUNEKIT_UNSLOTH_SITE, else the repo's `.unsite/` when `build-unsloth-site` made one, else ''."""
+    """$TUNEKIT_UNSLOTH_SITE, else the repo's `.unsite/` when `unsloth_site` built one, else ''."""
     from tunekit.config import REPO_ROOT
 
     return os.environ.get("TUNEKIT_UNSLOTH_SITE") or (str(REPO_ROOT / ".unsite") if (REPO_ROOT / ".unsite").is_dir() else "")
@@ -257,7 +257,7 @@ def run_compare(preset: str, fields: list[str], name: str = "", stacks: tuple[st
         if stack == "unsloth":
             if not site or not Path(site).is_dir():
                 rows.append({"stack": stack, "skipped": f"no Unsloth site folder ({site or 'none given'}): build one "
-                             "with ../shared/gpu/build-unsloth-site, or pass --unsloth-site"})
+                             "with `python -m tunekit_course.unsloth_site`, or pass --unsloth-site"})
                 if verbose:
                     print(f"{stack:<8} skipped: {rows[-1]['skipped']}", flush=True)
                 continue

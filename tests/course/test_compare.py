@@ -38,7 +38,7 @@ def test_the_plain_stack_and_tunekit_compute_the_same_loss(result):
 
 def test_a_missing_unsloth_site_is_a_skipped_row_that_says_why(result):
     row = result["stacks"][-1]
-    assert row["stack"] == "unsloth" and "build-unsloth-site" in row["skipped"] and "tokens_per_s" not in row
+    assert row["stack"] == "unsloth" and "python -m tunekit_course.unsloth_site" in row["skipped"] and "tokens_per_s" not in row
 
 
 def test_a_stack_that_fails_is_recorded_with_its_error(fields, tmp_path):
