@@ -15,8 +15,8 @@ a torchvision or xformers for another torch would break its import instead.
 
 `--python-version 3.12 --environment FREEZE` builds the folder for another machine (a GPU machine without
 network access): its interpreter's version and `pip freeze` (which packages it already has), manylinux x86-64
-wheels only. `--keep-cuda 130` keeps bitsandbytes' library for that CUDA release only (the others are ~80% of
-its wheel); by default, building for this machine, the release of this torch.
+wheels only. `--keep-cuda 130` keeps bitsandbytes' GPU library for that CUDA release only (the others, ROCm and
+XPU ones included, are most of its wheel); by default, building for this machine, the release of this torch.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ LEFT_OUT = {"torch": "the environment's own torch is the one measured",
             "xformers": "built for one torch release; Unsloth uses PyTorch's attention without it",
             "triton": "comes with the environment's torch", "triton-windows": "Windows only",
             "diffusers": "image models; training a language model never imports it",
+            "hf-transfer": "faster hub downloads when HF_HUB_ENABLE_HF_TRANSFER=1; nothing imports it otherwise",
             "nvidia-cuda-runtime-cu12": "comes with the environment's torch"}
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "any")
@@ -143,10 +144,11 @@ def _unpack(wheels: Path, site: Path) -> list[str]:
 
 
 def _keep_cuda(site: Path, release: str) -> int:
-    """Delete bitsandbytes' libraries for CUDA releases other than RELEASE (e.g. 130); bytes freed."""
+    """Delete bitsandbytes' GPU libraries other than the one for CUDA RELEASE (e.g. 130): other CUDA releases,
+    ROCm, XPU (the CPU one stays); bytes freed."""
     freed = 0
-    for lib in (site / "bitsandbytes").glob("libbitsandbytes_cuda*.so"):
-        if not lib.name.startswith(f"libbitsandbytes_cuda{release}"):
+    for lib in (site / "bitsandbytes").glob("libbitsandbytes_*.so"):
+        if lib.name not in (f"libbitsandbytes_cuda{release}.so", "libbitsandbytes_cpu.so"):
             freed += lib.stat().st_size
             lib.unlink()
     return freed

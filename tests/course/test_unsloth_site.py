@@ -51,9 +51,10 @@ def test_a_freeze_is_read_by_canonical_name_and_a_bad_line_is_refused_by_number(
 def test_only_this_cuda_releases_bitsandbytes_library_is_kept(tmp_path):
     bnb = tmp_path / "bitsandbytes"
     bnb.mkdir()
-    for lib in ("libbitsandbytes_cuda124.so", "libbitsandbytes_cuda130.so", "libbitsandbytes_cpu.so"):
+    for lib in ("libbitsandbytes_cuda124.so", "libbitsandbytes_cuda130.so", "libbitsandbytes_cuda1301.so",
+                "libbitsandbytes_cpu.so", "libbitsandbytes_rocm72.so", "libbitsandbytes_xpu2026.so"):
         (bnb / lib).write_bytes(b"x" * 10)
-    assert unsloth_site._keep_cuda(tmp_path, "130") == 10
+    assert unsloth_site._keep_cuda(tmp_path, "130") == 40
     assert sorted(p.name for p in bnb.iterdir()) == ["libbitsandbytes_cpu.so", "libbitsandbytes_cuda130.so"]
 
 
