@@ -513,6 +513,17 @@ def measure(name: str, nproc: int, *args, env: dict | None = None) -> None:
         torchrun(nproc, *args, env=env, cwd=REPO_ROOT)
 
 
+def databench(experiment: str, *args) -> dict:
+    """Lesson 1's `tunekit databench EXPERIMENT ARGS... --out <results_dir()>` and its result `data_<experiment>`,
+    as `measure` does for a step: on a GPU your earlier result read back instead, saying so (TUNEKIT_REMEASURE=1
+    measures again); in replay mode the published one, nothing run."""
+    name = f"data_{experiment}"
+    if on_gpu() and not replay_mode() and (r := yours(name)):
+        return r
+    run("databench", experiment, *args, "--out", results_dir())
+    return json.loads((results_dir() / f"{name}.json").read_text())
+
+
 def measure_in_parallel(plan: list[tuple[str, list, str]], gpus: int) -> None:
     """Run `measure` for each (name, args, cache) of `plan` on `gpus` GPUs at once, one run per GPU at a time
     (CUDA_VISIBLE_DEVICES); runs sharing a `cache` key go to one GPU in order (a cold compile, then the warm

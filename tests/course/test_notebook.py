@@ -354,6 +354,29 @@ def test_measure_measures_this_gpu_even_where_a_published_result_exists(fake_gpu
     assert "l4_lora_eager" in notebook.here() and notebook.published("l4_lora_eager")["gpu"] == "NVIDIA H200"
 
 
+def test_lesson_1_s_data_benches_read_your_earlier_result_back(fake_gpu, monkeypatch, capsys):
+    ran = []
+
+    def run(*args, **kw):  # tunekit databench writes data_<experiment>.json into --out
+        ran.append([str(a) for a in args])
+        out = Path(args[args.index("--out") + 1])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"data_{args[1]}.json").write_text(json.dumps({"name": f"data_{args[1]}", "gpu": FAKE, "rows": [1],
+                                                              "date": "2026-12-02T10:00:00+00:00"}))
+        return 0
+
+    monkeypatch.setattr(notebook, "run", run)
+    first = notebook.databench("train", "--preset", "llama7b_lora", "--steps", 15)
+    assert first["rows"] == [1] and ran == [["databench", "train", "--preset", "llama7b_lora", "--steps", "15",
+                                             "--out", str(fake_gpu)]]
+    capsys.readouterr()
+    assert notebook.databench("train", "--steps", 15) == first and len(ran) == 1  # read back, not run again
+    assert "data_train: your measurement of 2026-12-02 10:00 UTC on this GPU" in capsys.readouterr().out
+    monkeypatch.setenv("TUNEKIT_REMEASURE", "1")
+    notebook.databench("train", "--steps", 15)
+    assert len(ran) == 2
+
+
 def test_replay_reads_the_published_result_and_writes_nothing(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("TUNEKIT_REPLAY", "1")
     monkeypatch.delenv("TUNEKIT_SMOKE", raising=False)
