@@ -6,7 +6,8 @@
 - `cards`: what to run on each common card size, from a lesson's own results.
 - `charts`: the lessons' charts, one function a chart, each taking result dicts and returning the figure.
 - `databench`: lesson 1's data measurements; `compare`: the same step in the plain HF + peft stack, tunekit
-  and Unsloth; `race`: lesson 4's optimizer convergence; `accumulation`: lesson 3's accumulation check.
+  and Unsloth (`unsloth_site`: the folder of packages Unsloth runs from); `race`: lesson 4's optimizer
+  convergence; `accumulation`: lesson 3's accumulation check.
 - `fullrun`: lesson 5's whole runs, across GPU commands; `waterfall`: its bars, one change each; `runlog`: what
   a run's folder and result say (both read it, and the claims and charts); `detach`: either run's commands in a
   process that outlives the command that started it.
