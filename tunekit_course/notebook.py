@@ -910,7 +910,8 @@ def scaling_plan(gpus: int, smoke: bool = False, workloads: tuple[str, ...] = tu
 
 def measure_scaling(gpus: int, workloads: tuple[str, ...] = tuple(SCALING_WORKLOADS)) -> None:
     """Measure `scaling_plan` one launch at a time, each on its count of GPUs, with NVLink SHARP and multicast off
-    (../shared/gpu/README.md). `python -m tunekit_course.notebook --measure scaling GPUS [WORKLOAD,...]`."""
+    (as every multi-GPU run of the course was measured). `python -m tunekit_course.notebook --measure scaling
+    GPUS [WORKLOAD,...]`."""
     env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
     for name, n, args in scaling_plan(gpus, not on_gpu(), workloads):
         measure(name, n, *args, env=env)
