@@ -68,9 +68,15 @@ def read_freeze(path: str | Path) -> dict[str, str]:
     return out
 
 
-def installed_here() -> dict[str, str]:
-    """{canonical name: version} of the packages this interpreter imports."""
-    return {canonicalize_name(d.metadata["Name"]): d.version for d in metadata.distributions() if d.metadata["Name"]}
+def installed_here(apart: Path | None = None) -> dict[str, str]:
+    """{canonical name: version} of the packages this interpreter imports, less those found in folder `apart` (the
+    folder being rebuilt, should it be on the path)."""
+    out = {}
+    for d in metadata.distributions():
+        where = Path(str(d.locate_file(""))).resolve()
+        if d.metadata["Name"] and not (apart and where.is_relative_to(apart.resolve())):
+            out.setdefault(canonicalize_name(d.metadata["Name"]), d.version)  # the first on the path is imported
+    return out
 
 
 def in_site(site: Path) -> dict[str, tuple[str, list[str]]]:
@@ -158,7 +164,7 @@ def build(site: str | Path, python_version: str | None = None, environment: str 
           unsloth: str = UNSLOTH, keep_cuda: str | None = None, rounds: int = 8, verbose: bool = True) -> dict:
     """Build the folder (replacing one there) and return {"installed": [...], "left_out": {name: why}}."""
     site = Path(site)
-    have = read_freeze(environment) if environment else installed_here()
+    have = read_freeze(environment) if environment else installed_here(apart=site)
     env = marker_env(python_version)
     if site.exists():
         shutil.rmtree(site)

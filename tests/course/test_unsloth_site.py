@@ -62,3 +62,10 @@ def test_a_build_for_another_machine_needs_its_freeze(capsys):
     with pytest.raises(SystemExit):
         unsloth_site.main(["--python-version", "3.12"])
     assert "pip freeze" in capsys.readouterr().err
+
+
+def test_the_folder_being_rebuilt_does_not_count_as_the_environment(tmp_path, monkeypatch):
+    wheel(tmp_path, "datasets", "4.3.0")  # an earlier build on the path, as `compare` puts it there
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert unsloth_site.installed_here()["datasets"] == "4.3.0"
+    assert unsloth_site.installed_here(apart=tmp_path).get("datasets") != "4.3.0"
