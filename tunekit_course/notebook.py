@@ -775,6 +775,26 @@ def intro(*prefixes: str, skip: tuple[str, ...] = ()) -> str:
     return text
 
 
+def seed(*prefixes: str) -> list[Path]:
+    """Copy into this GPU's folder the published results measured on a GPU of its model (and those of any GPU whose
+    name starts with one of PREFIXES), so that executing a lesson reads them back, each saying it was measured on
+    another machine, and measures only what it lacks: how the committed lessons are executed on the GPU machine
+    (`python -m tunekit_course.notebook --seed [PREFIX...]`), a lesson's outputs then the published results'. A
+    result already in the folder is kept."""
+    import shutil
+
+    if not on_gpu():
+        raise FileNotFoundError("no CUDA GPU here (or TUNEKIT_SMOKE=1), so no GPU folder to seed")
+    model, out, copied = torch.cuda.get_device_name(), gpu_folder(), []
+    out.mkdir(parents=True, exist_ok=True)
+    for f in sorted(RESULTS.glob("*.json")):
+        r = json.loads(f.read_text())
+        if (r.get("gpu") == model or f.name.startswith(prefixes)) and not (out / f.name).exists():
+            shutil.copy2(f, out / f.name)
+            copied.append(out / f.name)
+    return copied
+
+
 def publish(folder: str | Path | None = None) -> list[Path]:
     """Copy the result files of `folder` (default: this machine's GPU folder, `gpu_folder()`) into the published
     folder, notebooks/results, with the chart of the same name beside any; print each. The course's own step
@@ -936,6 +956,8 @@ def main(argv: list[str]) -> int:
     # python -m tunekit_course.notebook --measure 4 GPUS SECTION,SECTION   only those sections
     # python -m tunekit_course.notebook --measure scaling GPUS [WORKLOAD,...]  1, 2, 4, 8 GPUs up to GPUS
     # python -m tunekit_course.notebook --publish [FOLDER]  copy a folder of results (this GPU's) to notebooks/results
+    # python -m tunekit_course.notebook --seed [PREFIX...]  the published results of this GPU's model (and any GPU's
+    #                                                      named PREFIX...) into its folder, read back by the lessons
     # Every --measure writes to results_dir(): this GPU's own folder, runs/results/<gpu>.
     if argv[:1] == ["--publish"]:
         try:
@@ -944,6 +966,14 @@ def main(argv: list[str]) -> int:
             print(f"--publish: {e}", file=sys.stderr)
             return 2
         print(f"{len(copied)} files copied into {RESULTS}")
+        return 0
+    if argv[:1] == ["--seed"]:
+        try:
+            copied = seed(*argv[1:])
+        except FileNotFoundError as e:
+            print(f"--seed: {e}", file=sys.stderr)
+            return 2
+        print(f"{len(copied)} published results copied into {shown(gpu_folder())}")
         return 0
     if argv[:2] == ["--measure", "scaling"]:
         measure_scaling(int(argv[2]), tuple(argv[3].split(",")) if len(argv) > 3 else tuple(SCALING_WORKLOADS))

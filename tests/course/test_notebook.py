@@ -489,6 +489,25 @@ def test_publish_copies_a_folder_of_results(fake_gpu, fake_runs, monkeypatch, tm
            f"--publish {fake_gpu})" in capsys.readouterr().err
 
 
+def test_seed_copies_the_published_results_of_this_gpu_s_model_and_the_named_ones(fake_gpu, monkeypatch, tmp_path,
+                                                                                 capsys):
+    published = tmp_path / "published"
+    published.mkdir()
+    for name, gpu in (("l2_a", FAKE), ("l2_b", "NVIDIA H100 80GB HBM3"), ("l5c_c", "NVIDIA H100 80GB HBM3")):
+        (published / f"{name}.json").write_text(json.dumps({"name": name, "gpu": gpu}))
+    monkeypatch.setattr(notebook, "RESULTS", published)
+    fake_gpu.mkdir(parents=True)
+    (fake_gpu / "l2_a.json").write_text('{"name": "l2_a", "gpu": "mine"}')  # yours: kept
+    assert notebook.main(["--seed", "l5c_"]) == 0
+    assert "1 published results copied into" in capsys.readouterr().out
+    assert sorted(p.name for p in fake_gpu.iterdir()) == ["l2_a.json", "l5c_c.json"]
+    assert json.loads((fake_gpu / "l2_a.json").read_text())["gpu"] == "mine"
+    (fake_gpu / "l2_a.json").unlink()
+    assert [p.name for p in notebook.seed()] == ["l2_a.json"]
+    monkeypatch.setattr(notebook, "on_gpu", lambda: False)  # a CPU, or TUNEKIT_SMOKE=1
+    assert notebook.main(["--seed"]) == 2 and "no CUDA GPU here" in capsys.readouterr().err
+
+
 def test_measure_takes_lesson_4_or_scaling_and_points_lesson_5_to_fullrun(monkeypatch, capsys):
     """Lesson 5's runs are fullrun's whole runs: `--measure 5` is refused, not taken for lesson 4's plan."""
     monkeypatch.setattr(notebook, "measure_in_parallel", lambda *a: pytest.fail("nothing may run"))
