@@ -47,8 +47,7 @@ LEFT_OUT = {"torch": "the environment's own torch is the one measured",
             "xformers": "built for one torch release; Unsloth uses PyTorch's attention without it",
             "triton": "comes with the environment's torch", "triton-windows": "Windows only",
             "diffusers": "image models; training a language model never imports it",
-            "hf-transfer": "faster hub downloads when HF_HUB_ENABLE_HF_TRANSFER=1; nothing imports it otherwise",
-            "nvidia-cuda-runtime-cu12": "comes with the environment's torch"}
+            "hf-transfer": "faster hub downloads when HF_HUB_ENABLE_HF_TRANSFER=1; nothing imports it otherwise"}
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "any")
 
@@ -215,13 +214,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep-cuda", default=None, help="keep bitsandbytes' library for this CUDA release only (e.g. "
                    "130; default: this torch's release when building for this machine)")
     args = p.parse_args(argv)
+    import torch
+
     if args.python_version and not args.environment:
         p.error("--python-version needs --environment: the other machine's `pip freeze`, so that the folder holds "
                 "only what it lacks")
     keep = args.keep_cuda
     if keep is None and not args.python_version:
-        import torch
-
         keep = (torch.version.cuda or "").replace(".", "") or None
     try:
         got = build(args.target, args.python_version, args.environment, args.unsloth, keep)
@@ -234,8 +233,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.python_version:
         print(f"copy {args.target} to that machine's checkout; `tunekit bench --compare` finds .unsite/ there")
         return 0
-    import torch
-
     if not torch.cuda.is_available():
         print("no CUDA GPU here: Unsloth imports only on a GPU, so the import was not checked")
         return 0
