@@ -301,7 +301,7 @@ def plot_compare(result: dict):
     ax2.set_yticks([])
     c = result["config"]
     fig.suptitle(f"{result['gpu']}: {c['method']} b{c['batch_size']}x{c['max_length']}"
-                 f"{', ckpt' if c['grad_ckpt'] else ''} — {result['name']} ({(result['commit'] or '-')[:7]})", fontsize=9)
+                 f"{', ckpt' if c['grad_ckpt'] else ''}", fontsize=9)  # which run and commit: the result file
     fig.tight_layout()
     return fig
 
