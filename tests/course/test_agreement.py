@@ -68,8 +68,10 @@ def test_an_older_verdict_or_older_figures_are_named_with_where_they_are(tmp_pat
 # attention kernels live on the H200 that executed them, and printed those figures as yours beside published ones of
 # an earlier H200 run (C1-C3, packing, C9's kernel times differ run to run); both now read a result of yours back
 # (`notebook.databench`, the attention cell), so an execution with the published results in the GPU folder agrees.
-# Lesson 3 needs two GPUs (C11 unmeasured).
-AWAITING_RE_EXECUTION = {"01_data.ipynb", "02_qlora_attention_checkpointing.ipynb", "03_distributed.ipynb"}
+# Lesson 3 needs two GPUs (C11 unmeasured). Lesson 5's claims table prints the packing verdict, which now gives each
+# way's real tokens a step ("about the same", not "the same"): its committed table shows the older words.
+AWAITING_RE_EXECUTION = {"01_data.ipynb", "02_qlora_attention_checkpointing.ipynb", "03_distributed.ipynb",
+                         "05_full_7b_run.ipynb"}
 
 
 def test_the_committed_notebooks_show_the_published_verdicts():
