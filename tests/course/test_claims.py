@@ -328,3 +328,18 @@ def test_scaling_reports_each_count_and_judges_eight_gpus():
     rs["l3_scale_fsdp_full_8gpu"]["tokens_per_s"] = 11_600
     assert claims.judge("scaling target", rs).verdict == "met"
     assert claims.judge("scaling target", {}).verdict == "unmeasured"
+
+
+def test_packing_gives_each_way_s_real_tokens_a_step_beside_its_ratio():
+    def row(variant, tps, real, slots, steps=10):
+        return {"variant": variant, "tokens_per_s": tps, "real_tokens": real, "slots": slots, "steps": steps,
+                "padding_fraction": 1 - real / slots}
+
+    rows = [row("pack: pad to longest in batch", 1000, 24_000, 40_000), row("pack: length-grouped batches", 1300,
+            23_000, 24_000), row("pack: packed rows of 2048 (x1)", 1200, 20_000, 20_480),
+            row("pack: packed rows of 2048 (x4, 4x the tokens)", 1600, 80_000, 81_920)]
+    v = claims.judge("packing", {"data_train": {"name": "data_train", "rows": rows}})
+    # the steps hold different real tokens (16 padded rows against one packed row): said, not "the same"
+    assert "about the same real tokens a step (padded 2,400, grouped 2,300, packed 2,000)" in v.evidence
+    assert "packed 1.20x padded, grouped 1.30x; packed with 4x the tokens a step 1.60x" in v.evidence
+    assert "40% padded to the longest" in v.evidence and v.files == ("data_train",)
