@@ -214,11 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep-cuda", default=None, help="keep bitsandbytes' library for this CUDA release only (e.g. "
                    "130; default: this torch's release when building for this machine)")
     args = p.parse_args(argv)
-    import torch
-
     if args.python_version and not args.environment:
         p.error("--python-version needs --environment: the other machine's `pip freeze`, so that the folder holds "
                 "only what it lacks")
+    import torch  # after the arguments are checked: a wrong call is said at once, not after torch loads
+
     keep = args.keep_cuda
     if keep is None and not args.python_version:
         keep = (torch.version.cuda or "").replace(".", "") or None

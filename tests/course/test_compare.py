@@ -52,7 +52,7 @@ def test_a_stack_that_fails_is_recorded_with_its_error(fields, tmp_path):
 def test_chart_and_cli(fields, tmp_path, result, capsys):
     png = compare.save_chart(result, tmp_path / "c.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
-    title = compare.plot_compare({**result, "commit": "0123456789abcdef"})._suptitle.get_text()
+    title = compare.plot_compare({**result, "commit": "0123456789abcdef"}).get_suptitle()
     assert "0123456" not in title and result["name"] not in title and result["gpu"] in title  # provenance: the file's
     from tunekit.cli import main
 
