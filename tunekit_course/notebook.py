@@ -501,6 +501,9 @@ def measure(name: str, nproc: int, *args, env: dict | None = None) -> None:
         print(f"{name}: replaying the published {_where(r)} result of {_when(r)} (not measured here)" if r else
               f"{name}: no published result to replay")
         return
+    if why := too_few_gpus(nproc):
+        print(f"{name}: not measured here ({why}); the published result is shown beside yours")
+        return
     if yours(name):
         return
     out = results_dir()
@@ -662,10 +665,10 @@ def _machine(rs: dict[str, dict], v, default: str) -> str:
     return default if m == "-" else m
 
 
-def verdict(claim: str, mine: dict[str, dict] | None = None):
+def verdict(claim: str, mine: dict[str, dict] | None = None, gpus: int = 1):
     """Print the verdict on `claim` from your results (`mine`, default `here()`) and the published verdict
-    beside it, each labelled with where it was measured; returns yours (None in smoke or replay mode, where
-    the published one is printed alone)."""
+    beside it, each labelled with where it was measured; returns yours (None in smoke or replay mode, or where the
+    claim needs more than this machine's GPUs (`gpus` of them), where the published one is printed alone)."""
     from tunekit_course import claims
 
     rs = results.by_name(RESULTS)
@@ -676,6 +679,9 @@ def verdict(claim: str, mine: dict[str, dict] | None = None):
         return None
     if not on_gpu():
         print(f"{claim} from this run: no verdict (a smoke run on a tiny model)\n{pub_line}")
+        return None
+    if why := too_few_gpus(gpus):
+        print(f"{claim} from your results: no verdict ({why})\n{pub_line}")
         return None
     mine = here() if mine is None else mine
     try:
@@ -947,6 +953,15 @@ def skipped_sections() -> dict[str, str]:
 
 def gpu_count() -> int:
     return torch.cuda.device_count() if on_gpu() else 0
+
+
+def too_few_gpus(nproc: int) -> str | None:
+    """Why this GPU machine cannot launch `nproc` processes, one on each GPU ("needs 2 GPUs, this machine has 1"),
+    or None: where it has enough, and off a GPU (a smoke run's CPU processes stand in) or in replay mode."""
+    n = gpu_count()
+    if replay_mode() or not on_gpu() or nproc <= n:
+        return None
+    return f"needs {nproc} GPUs, this machine has {n}"
 
 
 def main(argv: list[str]) -> int:

@@ -348,6 +348,7 @@ def test_measure_measures_this_gpu_even_where_a_published_result_exists(fake_gpu
         capsys.readouterr().out
     monkeypatch.setenv("TUNEKIT_REMEASURE", "1")
     notebook.measure("l4_lora_eager", 1, "bench", "--preset", "llama7b_lora")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     notebook.measure("l3_ddp_lora", 2, "bench", "--preset", "llama7b_qlora", "--parallel", "ddp")
     assert [n for n, _ in fake_runs] == [1, 1, 2] and (fake_gpu / "l3_ddp_lora.json").exists()
     assert _snapshot(notebook.RESULTS) == before  # nothing written to the published folder
@@ -451,6 +452,31 @@ def test_nearest_fit_under_compile_recomputes_before_it_checkpoints():
 def test_fit_here_is_a_no_op_in_smoke_mode(smoke):
     args = ["bench", "--preset", "llama7b_lora"]
     assert notebook.fit_here(args) == args
+
+
+def test_on_one_gpu_a_two_gpu_run_is_not_launched_and_the_published_figures_stand_alone(fake_gpu, fake_runs, capsys,
+                                                                                       monkeypatch):
+    """Lesson 3 on a machine of one GPU: its one-GPU runs are measured, each two-GPU one says why it is not, and
+    the claim that needs two GPUs prints the published verdict alone; with two GPUs both run."""
+    assert notebook.too_few_gpus(1) is None and notebook.too_few_gpus(2) == "needs 2 GPUs, this machine has 1"
+    notebook.measure("l3_lora_1gpu", 1, "bench", "--preset", "llama7b_lora")
+    notebook.measure("l3_ddp_lora", 2, "bench", "--preset", "llama7b_lora", "--parallel", "ddp")
+    assert [n for n, _ in fake_runs] == [1] and not (fake_gpu / "l3_ddp_lora.json").exists()
+    out = capsys.readouterr().out
+    assert "l3_ddp_lora: not measured here (needs 2 GPUs, this machine has 1); the published result is shown" in out
+    table = notebook.beside(["l3_lora_1gpu", "l3_ddp_lora"]).splitlines()
+    assert table[2].split()[1] == "-" and "tok/s" in table[2]  # the published figure alone
+    notebook.verdict("C10", gpus=2)
+    yours, published = capsys.readouterr().out.splitlines()
+    assert yours == "C10 from your results: no verdict (needs 2 GPUs, this machine has 1)"
+    assert published.startswith("published, 2x H200, H200: C10 verdict: holds")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert notebook.too_few_gpus(2) is None
+    notebook.measure("l3_ddp_lora", 2, "bench", "--preset", "llama7b_lora", "--parallel", "ddp")
+    assert [n for n, _ in fake_runs] == [1, 2]
+    monkeypatch.setenv("TUNEKIT_SMOKE", "1")  # off a GPU the CPU processes stand in: never too few
+    monkeypatch.setattr(notebook, "on_gpu", lambda: False)
+    assert notebook.too_few_gpus(2) is None
 
 
 def test_beside_and_verdict_show_yours_beside_the_published_figure(fake_gpu, fake_runs, capsys):
