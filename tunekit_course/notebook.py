@@ -786,7 +786,8 @@ def seed(*prefixes: str) -> list[Path]:
     name starts with one of PREFIXES), so that executing a lesson reads them back, each saying it was measured on
     another machine, and measures only what it lacks: how the committed lessons are executed on the GPU machine
     (`python -m tunekit_course.notebook --seed [PREFIX...]`), a lesson's outputs then the published results'. A
-    result already in the folder is kept."""
+    result already in the folder is kept; one of more processes than this machine has GPUs is left out (it could
+    not be yours: a lesson shows it as published)."""
     import shutil
 
     if not on_gpu():
@@ -795,7 +796,8 @@ def seed(*prefixes: str) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     for f in sorted(RESULTS.glob("*.json")):
         r = json.loads(f.read_text())
-        if (r.get("gpu") == model or f.name.startswith(prefixes)) and not (out / f.name).exists():
+        if (r.get("gpu") == model or f.name.startswith(prefixes)) and not (out / f.name).exists() \
+                and (r.get("world_size") or 1) <= torch.cuda.device_count():
             shutil.copy2(f, out / f.name)
             copied.append(out / f.name)
     return copied

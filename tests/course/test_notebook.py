@@ -521,6 +521,8 @@ def test_seed_copies_the_published_results_of_this_gpu_s_model_and_the_named_one
     published.mkdir()
     for name, gpu in (("l2_a", FAKE), ("l2_b", "NVIDIA H100 80GB HBM3"), ("l5c_c", "NVIDIA H100 80GB HBM3")):
         (published / f"{name}.json").write_text(json.dumps({"name": name, "gpu": gpu}))
+    # two processes on two of this model: not copied to a machine of one GPU, where it could not be yours
+    (published / "l3_ddp.json").write_text(json.dumps({"name": "l3_ddp", "gpu": FAKE, "world_size": 2}))
     monkeypatch.setattr(notebook, "RESULTS", published)
     fake_gpu.mkdir(parents=True)
     (fake_gpu / "l2_a.json").write_text('{"name": "l2_a", "gpu": "mine"}')  # yours: kept
