@@ -797,7 +797,7 @@ def seed(*prefixes: str) -> list[Path]:
     for f in sorted(RESULTS.glob("*.json")):
         r = json.loads(f.read_text())
         if (r.get("gpu") == model or f.name.startswith(prefixes)) and not (out / f.name).exists() \
-                and (r.get("world_size") or 1) <= torch.cuda.device_count():
+                and not too_few_gpus(r.get("world_size") or 1):
             shutil.copy2(f, out / f.name)
             copied.append(out / f.name)
     return copied
