@@ -733,11 +733,14 @@ def run_seconds(r: dict) -> float:
     return s
 
 
-def lesson_seconds(*prefixes: str, skip: tuple[str, ...] = (), rs: dict[str, dict] | None = None) -> float:
+def lesson_seconds(*prefixes: str, skip: tuple[str, ...] = (), rs: dict[str, dict] | None = None,
+                   here: bool = False) -> float:
     """The published run's time for the results whose names start with `prefixes` (a lesson's: "l3_"), less
-    those starting with `skip`: `run_seconds` of each plus `START_S`."""
+    those starting with `skip`: `run_seconds` of each plus `START_S`. `here`: only those this machine can run
+    (not one of more processes than it has GPUs, which a lesson shows published)."""
     rs = results.by_name(RESULTS) if rs is None else rs
-    picked = [r for n, r in rs.items() if prefixes and n.startswith(prefixes) and not (skip and n.startswith(skip))]
+    picked = [r for n, r in rs.items() if prefixes and n.startswith(prefixes) and not (skip and n.startswith(skip))
+              and not (here and too_few_gpus(r.get("world_size") or 1))]
     return sum(run_seconds(r) + START_S for r in picked)
 
 
@@ -771,11 +774,12 @@ def intro(*prefixes: str, skip: tuple[str, ...] = ()) -> str:
         text = (f"smoke mode: tiny model on CPU, a few minutes at most; on a GPU this lesson measures the 7B shape "
                 f"(the published H200 run took {took}, an estimate), shown beside this run's figures.")
     else:
-        cap = memory_cap_gb()
+        cap, mine = memory_cap_gb(), lesson_seconds(*prefixes, skip=skip, here=True)
         text = (f"This lesson measures {gpu_label()} here"
                 + (f", as a card of {cap:g} GB (TUNEKIT_MEMORY_GB)" if cap else "")
-                + f"; on the published H200 run its measurements took {took} (an estimate from the published "
-                  "results' build and step times), more on a slower GPU. Results -> "
+                + f"; on the published H200 run its measurements took {took}"
+                + (f", those that fit this machine's GPUs {_minutes(mine)}" if prefixes and _minutes(mine) != took else "")
+                + " (an estimate from the published results' build and step times), more on a slower GPU. Results -> "
                 + shown(results_dir()) + ".")
     print(text)
     return text

@@ -470,8 +470,14 @@ def test_on_one_gpu_a_two_gpu_run_is_not_launched_and_the_published_figures_stan
     yours, published = capsys.readouterr().out.splitlines()
     assert yours == "C10 from your results: no verdict (needs 2 GPUs, this machine has 1)"
     assert published.startswith("published, 2x H200, H200: C10 verdict: holds")
+    rs = {"a_one": {"world_size": 1, "wall_s": 120.0}, "a_two": {"world_size": 2, "wall_s": 600.0}}
+    assert notebook.lesson_seconds("a_", rs=rs) == 720 + 2 * notebook.START_S
+    assert notebook.lesson_seconds("a_", rs=rs, here=True) == 120 + notebook.START_S  # the two-GPU run left out
+    mine = notebook._minutes(notebook.lesson_seconds("l3_", here=True))
+    assert f", those that fit this machine's GPUs {mine} (an estimate" in notebook.intro("l3_")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert notebook.too_few_gpus(2) is None
+    assert "those that fit" not in notebook.intro("l3_")
     notebook.measure("l3_ddp_lora", 2, "bench", "--preset", "llama7b_lora", "--parallel", "ddp")
     assert [n for n, _ in fake_runs] == [1, 2]
     monkeypatch.setenv("TUNEKIT_SMOKE", "1")  # off a GPU the CPU processes stand in: never too few
