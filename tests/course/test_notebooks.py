@@ -16,8 +16,9 @@ def test_committed_outputs_come_from_a_gpu_run(path):
     code = [c for c in nb["cells"] if c["cell_type"] == "code"]
     assert all(c.get("execution_count") for c in code), f"{path.name}: not every code cell was executed"
     text = "".join("".join(o.get("text", "")) for c in code for o in c.get("outputs", []))
-    # "mode: GPU (...)" (one GPU, notebook.pick_preset) or "mode: 2 GPUs" (lesson 3); a smoke run says "mode: smoke".
-    assert re.search(r"mode: (GPU|\d+ GPUs)\b", text), \
+    # "mode: GPU (...)" (one GPU, notebook.pick_preset), "mode: 2 GPUs" or "mode: one GPU" (lesson 3); a smoke run
+    # says "mode: smoke".
+    assert re.search(r"mode: (GPU|\d+ GPUs|one GPU)\b", text), \
         f"{path.name}: committed outputs are not from a GPU run (re-execute on the GPU)"
     errors = [o for c in code for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors, f"{path.name}: committed outputs contain an error"
