@@ -740,7 +740,7 @@ def lesson_seconds(*prefixes: str, skip: tuple[str, ...] = (), rs: dict[str, dic
     (not one of more processes than it has GPUs, which a lesson shows published)."""
     rs = results.by_name(RESULTS) if rs is None else rs
     picked = [r for n, r in rs.items() if prefixes and n.startswith(prefixes) and not (skip and n.startswith(skip))
-              and not (here and too_few_gpus(r.get("world_size") or 1))]
+              and (not here or fits_here(r))]
     return sum(run_seconds(r) + START_S for r in picked)
 
 
@@ -761,7 +761,8 @@ def intro(*prefixes: str, skip: tuple[str, ...] = ()) -> str:
     its measurements took on the published H200 run (an estimate from its result files: `lesson_seconds` of the
     lesson's results, by name prefix). No prefixes: a lesson that reads the published results and checks a
     little live."""
-    took = _minutes(lesson_seconds(*prefixes, skip=skip))
+    rs = results.by_name(RESULTS)  # read once for both sums below
+    took = _minutes(lesson_seconds(*prefixes, skip=skip, rs=rs))
     if not prefixes:
         text = ("this lesson's benchmark tables are the published NVIDIA H200 results (each with the command that "
                 "made it), and only its parity check runs here, in seconds.")
@@ -774,7 +775,7 @@ def intro(*prefixes: str, skip: tuple[str, ...] = ()) -> str:
         text = (f"smoke mode: tiny model on CPU, a few minutes at most; on a GPU this lesson measures the 7B shape "
                 f"(the published H200 run took {took}, an estimate), shown beside this run's figures.")
     else:
-        cap, mine = memory_cap_gb(), lesson_seconds(*prefixes, skip=skip, here=True)
+        cap, mine = memory_cap_gb(), lesson_seconds(*prefixes, skip=skip, rs=rs, here=True)
         text = (f"This lesson measures {gpu_label()} here"
                 + (f", as a card of {cap:g} GB (TUNEKIT_MEMORY_GB)" if cap else "")
                 + f"; on the published H200 run its measurements took {took}"
@@ -801,7 +802,7 @@ def seed(*prefixes: str) -> list[Path]:
     for f in sorted(RESULTS.glob("*.json")):
         r = json.loads(f.read_text())
         if (r.get("gpu") == model or f.name.startswith(prefixes)) and not (out / f.name).exists() \
-                and not too_few_gpus(r.get("world_size") or 1):
+                and fits_here(r):
             shutil.copy2(f, out / f.name)
             copied.append(out / f.name)
     return copied
@@ -968,6 +969,11 @@ def too_few_gpus(nproc: int) -> str | None:
     if replay_mode() or not on_gpu() or nproc <= n:
         return None
     return f"needs {nproc} GPUs, this machine has {n}"
+
+
+def fits_here(r: dict) -> bool:
+    """Whether this machine can run result `r`'s processes (`too_few_gpus` of its world size)."""
+    return not too_few_gpus(r.get("world_size") or 1)
 
 
 def main(argv: list[str]) -> int:
