@@ -89,13 +89,13 @@ def entry_point() -> str:
     """What was run: the notebook being executed, the `tunekit` command line, or the Python command."""
     argv0 = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
     # the command, with the variables that change what the code does (`BEHAVIOUR_ENV`) in front
-    command = " ".join([*(f"{k}={os.environ[k]}" for k in BEHAVIOUR_ENV if k in os.environ), "tunekit",
-                        *sys.argv[1:]]) if argv0 in ("tunekit", "cli.py") else None
+    env = [f"{k}={os.environ[k]}" for k in BEHAVIOUR_ENV if k in os.environ]
+    command = " ".join([*env, "tunekit", *sys.argv[1:]]) if argv0 in ("tunekit", "cli.py") else None
     if nb := os.environ.get("TUNEKIT_NOTEBOOK"):  # set by tunekit_course.pages.execute, inherited by its children
         return f"notebook {nb} (python -m tunekit_course.notebook {nb})" + (f": {command}" if command else "")
     if command:
         return command
-    return " ".join(["python", *sys.argv]) if argv0 else "python (interactive)"
+    return " ".join([*env, "python", *sys.argv]) if argv0 else "python (interactive)"
 
 
 def provenance(call: str = "", code_files: tuple[str, ...] | list[str] = ()) -> dict:

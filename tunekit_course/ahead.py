@@ -154,7 +154,8 @@ def fp8_benches(rs: dict[str, dict]) -> list[dict]:
 
 def judge_fp8(rs: dict[str, dict]) -> dict:
     """FP8's target: the fastest configuration's newest step bench at `FP8_TOKENS` or more, and whole runs of the
-    recipe in FP8 within bf16's run-to-run band (`runlog.fp8_band`)."""
+    recipe in FP8 of the same arithmetic (fast accumulation or not) within bf16's run-to-run band
+    (`runlog.fp8_band`)."""
     from tunekit_course.runlog import band_results, fp8_band
 
     benches = fp8_benches(rs)
@@ -162,9 +163,11 @@ def judge_fp8(rs: dict[str, dict]) -> dict:
     if not benches:
         return {"state": "unmeasured", "text": f"LoRA FP8, {LLAMA2}: target {want}, unmeasured", "files": ()}
     best = max(benches, key=lambda r: r["tokens_per_s"])
-    band = fp8_band(*band_results(rs))
+    fast_accum = "TUNEKIT_FP8_FAST_ACCUM=1" in _switches(best)  # judged by the band runs of its arithmetic
+    band = fp8_band(*band_results(rs, "fp8fast" if fast_accum else "fp8"))
+    learns = ("unmeasured" if band is None else "within it" if band["within"] else "outside it") + (
+        " (with fast accumulation, as this bench)" if fast_accum else "")
     fast = best["tokens_per_s"] >= FP8_TOKENS
-    learns = "unmeasured" if band is None else "within it" if band["within"] else "outside it"
     state = "met" if fast and band and band["within"] else "missed" if not fast or band else "unmeasured"
     gpu = (best.get("gpu") or "GPU").removeprefix("NVIDIA ")
     return {"state": state, "files": (best["name"],),

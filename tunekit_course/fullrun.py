@@ -238,15 +238,16 @@ def lesson5_runs(gpu: bool) -> list[tuple[str, list[str], dict]]:
 
 
 def band_runs(gpu: bool) -> list[tuple[str, list[str], dict]]:
-    """Whole runs of tunekit's recipe in bf16 and with FP8 base weights, at seeds 0 and 1 (`runlog.fp8_band`:
-    whether FP8 learns within what changing the seed alone moves). Four runs of three epochs: about 15 minutes
-    on an H100. In smoke mode: the tiny stand-ins, FP8 left off (it needs a GPU)."""
-    from tunekit_course.runlog import BAND_RUNS
+    """Whole runs of tunekit's recipe in bf16 and with FP8 base weights, at seeds 0 and 1, and FP8 with fast
+    accumulation at both (`runlog.fp8_band`: whether FP8 learns within what changing the seed alone moves). Six
+    runs of three epochs: about 22 minutes on an H100. In smoke mode: the tiny stand-ins, FP8 left off (it needs
+    a GPU)."""
+    from tunekit_course.runlog import BAND_ENV, BAND_RUNS
 
     if not gpu:
         return [(name, [*SMOKE, "--seed", str(seed)], {}) for name, _, seed in BAND_RUNS]
-    return [(name, ["--preset", "tunekit_recipe", "--fp8", str(kind == "fp8").lower(), "--seed", str(seed)], {})
-            for name, kind, seed in BAND_RUNS]
+    return [(name, ["--preset", "tunekit_recipe", "--fp8", str(kind != "bf16").lower(), "--seed", str(seed)],
+             BAND_ENV.get(kind, {})) for name, kind, seed in BAND_RUNS]
 
 
 def model_folder(runs: list[tuple[str, list[str], dict]] | None = None) -> Path | None:
@@ -417,7 +418,7 @@ def recipes_by_memory(cards=CARDS, preset: str = "tunekit_recipe") -> list[dict]
 
 def main(argv: list[str]) -> int:
     # python -m tunekit_course.fullrun BUDGET_SECONDS [NAME,NAME]                      lesson 5's whole runs (or
-    #   the FP8 band's by name: l5c_bf16_s0,l5c_fp8_s0,l5c_bf16_s1,l5c_fp8_s1)
+    #   the FP8 band's by name: l5c_bf16_s0,l5c_fp8_s0,l5c_bf16_s1,l5c_fp8_s1,l5c_fp8fast_s0,l5c_fp8fast_s1)
     # python -m tunekit_course.fullrun NAME BUDGET_SECONDS TRAIN_ARGS...               one whole run's segment
     # python -m tunekit_course.fullrun --rederive FOLDER HEADER.json OUT.json [NAME]   a run brought back
     # (exit code 3: not all finished, go on in the next command; `tunekit_course.detach` runs any of these in a

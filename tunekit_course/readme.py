@@ -67,16 +67,16 @@ def whole_runs_table(rs: dict[str, dict]) -> str:
 
 
 def fp8_band_table(rs: dict[str, dict]) -> str:
-    """The whole runs of tunekit's recipe in bf16 and FP8 at two seeds (`runlog.BAND_RUNS`), a row each, and what
-    they say of FP8 against bf16's run-to-run band (`runlog.describe_fp8_band`); "unmeasured" rows where a run has
-    no result."""
-    from tunekit_course.runlog import BAND_RUNS, band_results, describe_fp8_band
+    """The whole runs of tunekit's recipe in bf16 and FP8 (two kinds) at two seeds (`runlog.BAND_RUNS`), a row
+    each, and what they say of each FP8 kind against bf16's run-to-run band (`runlog.describe_fp8_band`);
+    "unmeasured" rows where a run has no result."""
+    from tunekit_course.runlog import BAND_KINDS, BAND_RUNS, band_results, describe_fp8_band
 
     head = ("| name | base weights | seed | GPU | wall-clock, min | steady real tok/s (p10–p90) | peak GB | "
             "held-out loss after each epoch | commit |")
     rows = [head, "|---|---|---|---|---|---|---|---|---|"]
     for name, kind, seed in BAND_RUNS:
-        kind = "FP8" if kind == "fp8" else kind
+        kind = BAND_KINDS[kind]
         if (r := rs.get(name)) is None:
             rows.append(f"| {name} | {kind} | {seed} | | unmeasured | | | | |")
             continue
@@ -86,9 +86,11 @@ def fp8_band_table(rs: dict[str, dict]) -> str:
         rows.append(f"| {name} | {kind} | {seed} | {(r.get('gpu') or '-').removeprefix('NVIDIA ')} | "
                     f"{r['wall_s'] / 60:.1f} | {tps} | {r['peak_memory_gb']:.1f} | {losses} | "
                     f"{(r.get('commit') or '-')[:7]} |")
-    fp8s, bf16s = band_results(rs)
-    if fp8s and bf16s:
-        rows.append(f"\n{describe_fp8_band(fp8s, bf16s)}.")
+    for kind in ("fp8", "fp8fast"):
+        fp8s, bf16s = band_results(rs, kind)
+        if fp8s and bf16s:
+            what = "FP8 base weights" + (" with fast accumulation" if kind == "fp8fast" else "")
+            rows.append(f"\n{describe_fp8_band(fp8s, bf16s, what)}.")
     return "\n".join(rows)
 
 

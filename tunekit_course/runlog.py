@@ -149,14 +149,17 @@ def describe_fp8(fp8: dict, bf16: dict) -> str:
 
 
 # the whole runs of tunekit's recipe that FP8 is judged by (`fp8_band`; `fullrun.band_runs` makes them):
-# (result name, base weights, seed)
+# (result name, base weights, seed). "fp8fast": FP8 with the input gradient's matmul accumulating fast
+# (TUNEKIT_FP8_FAST_ACCUM=1, `fastlora.FAST_ACCUM_BACKWARD`), judged against the same bf16 runs.
 BAND_RUNS = tuple((f"l5c_{kind}_s{seed}", kind, seed) for kind, seed in (("bf16", 0), ("fp8", 0), ("bf16", 1),
-                                                                        ("fp8", 1)))
+                                                                        ("fp8", 1), ("fp8fast", 0), ("fp8fast", 1)))
+BAND_KINDS = {"bf16": "bf16", "fp8": "FP8", "fp8fast": "FP8, fast accumulation"}
+BAND_ENV = {"fp8fast": {"TUNEKIT_FP8_FAST_ACCUM": "1"}}  # what a kind's runs set in the environment
 
 
-def band_results(rs: dict[str, dict]) -> tuple[list[dict], list[dict]]:
-    """(the FP8 runs, the bf16 runs) of `BAND_RUNS` among results `rs`."""
-    return tuple([rs[name] for name, kind, _ in BAND_RUNS if name in rs and kind == want] for want in ("fp8", "bf16"))
+def band_results(rs: dict[str, dict], fp8: str = "fp8") -> tuple[list[dict], list[dict]]:
+    """(the FP8 runs of kind `fp8`, the bf16 runs) of `BAND_RUNS` among results `rs`."""
+    return tuple([rs[name] for name, kind, _ in BAND_RUNS if name in rs and kind == want] for want in (fp8, "bf16"))
 
 
 def smoothed(r: dict, window: int) -> dict[int, float]:
@@ -213,8 +216,8 @@ def fp8_band(fp8s: list[dict], bf16s: list[dict], window: int = 20) -> dict | No
             "names": {"bf16": [b["name"] for b in bf16.values()], "fp8": [f["name"] for f, _ in pairs]}}
 
 
-def describe_fp8_band(fp8s: list[dict], bf16s: list[dict]) -> str:
-    """`fp8_band` as a sentence for the lesson, or why it cannot be said."""
+def describe_fp8_band(fp8s: list[dict], bf16s: list[dict], what: str = "FP8 base weights") -> str:
+    """`fp8_band` as a sentence for the lesson, or why it cannot be said; `what` names the FP8 runs."""
     c = fp8_band(fp8s, bf16s)
     if c is None:
         return ("FP8 against bf16's run-to-run band needs bf16 runs at two seeds and an FP8 run at one of them, on "
@@ -232,5 +235,5 @@ def describe_fp8_band(fp8s: list[dict], bf16s: list[dict]) -> str:
              f"{min(abs(m) for m in means):.3f}-{max(abs(m) for m in means):.3f} on average, at most "
              f"{max(abs(g['largest']) for g in c['train_gaps'].values()):.3f}, where the bf16 seeds differ by "
              f"{c['train_band']['mean']:.3f} on average")
-    return (f"FP8 base weights against bf16, whole runs of the same recipe at seeds {seeds} (FP8 at "
+    return (f"{what} against bf16, whole runs of the same recipe at seeds {seeds} (FP8 at "
             f"{' and '.join(str(s) for s in c['fp8_seeds'])}, each on its bf16 run's batches): {held}; {train}")

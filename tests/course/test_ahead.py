@@ -53,3 +53,30 @@ def test_headroom_reads_a_profile_against_its_own_step():
     alone = ahead.headroom(rs["p"], {"p": rs["p"]})
     assert alone["step"] is None and alone["waiting"] is None and abs(alone["bound"] - 0.300 / 0.240) < 1e-9
     assert "no profile yet" in ahead.headroom_table({})
+
+
+def _whole(name: str, seed: int, shift: float) -> dict:
+    """A whole run of the FP8 band (`runlog.BAND_RUNS`): 40 logged steps and two held-out losses, `shift` above."""
+    cfg = {"data": "gsm8k", "batch_size": 4, "grad_accum": 1, "max_length": 2048, "packing": "pack", "epochs": 3.0,
+           "max_steps": 0, "seed": seed}
+    return {"name": name, "config": cfg, "eval_losses": [[20, 5.0 + seed * 0.04 + shift], [40, 4.0 + seed * 0.02]],
+            "curve": [[s, 10.0 - s / 10 + seed * 0.1 + shift, 1.0, 1.0] for s in range(1, 41)]}
+
+
+def test_the_fp8_target_reads_the_band_runs_of_its_benchs_arithmetic():
+    """The fastest FP8 bench with fast accumulation is judged by the band's fast-accumulation runs, not by the
+    runs without it; where those are missing its learning is unmeasured."""
+    band = {r["name"]: r for r in (_whole("l5c_bf16_s0", 0, 0.0), _whole("l5c_bf16_s1", 1, 0.0),
+                                   _whole("l5c_fp8_s0", 0, 0.01))}
+    fast = _bench("b_fast", entry="TUNEKIT_FP8_FAST_ACCUM=1 tunekit bench", tokens_per_s=27_500, peak_memory_gb=60.0)
+    plain = _bench("b_plain", tokens_per_s=27_100, peak_memory_gb=60.0, config={**CONFIG, "batch_size": 8})
+    rs = {**band, "b_fast": fast, "b_plain": plain}
+    j = ahead.judge_fp8(rs)
+    assert j["files"] == ("b_fast",) and j["state"] == "unmeasured"
+    assert "against bf16's band: unmeasured (with fast accumulation, as this bench)" in j["text"]
+    j = ahead.judge_fp8({**rs, "l5c_fp8fast_s0": _whole("l5c_fp8fast_s0", 0, 0.01)})
+    assert j["state"] == "met" and "within it (with fast accumulation" in j["text"]
+    j = ahead.judge_fp8({**rs, "l5c_fp8fast_s0": _whole("l5c_fp8fast_s0", 0, 0.2)})  # 0.2 nats off: outside
+    assert j["state"] == "missed" and "outside it" in j["text"]
+    j = ahead.judge_fp8({**band, "b_plain": plain})  # without fast accumulation: the runs without it
+    assert j["state"] == "met" and "within it;" not in j["text"] and "within it (target" in j["text"]

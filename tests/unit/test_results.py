@@ -72,6 +72,10 @@ def test_entry_point_names_the_notebook_or_the_command(monkeypatch):
                                      "notebooks/02_x.ipynb): tunekit bench --preset tiny")
     monkeypatch.setattr("sys.argv", ["/venv/lib/ipykernel_launcher.py", "-f", "k.json"])
     assert results.entry_point() == "notebook notebooks/02_x.ipynb (python -m tunekit_course.notebook notebooks/02_x.ipynb)"
+    monkeypatch.delenv("TUNEKIT_NOTEBOOK")
+    monkeypatch.setattr("sys.argv", ["tunekit_course/fullrun.py", "l5c_fp8fast_s0", "900"])
+    monkeypatch.setenv("TUNEKIT_FP8_FAST_ACCUM", "1")  # a whole run's child process says it too
+    assert results.entry_point() == "TUNEKIT_FP8_FAST_ACCUM=1 python tunekit_course/fullrun.py l5c_fp8fast_s0 900"
 
 
 def test_code_hash_follows_the_source(tmp_path):
