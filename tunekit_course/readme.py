@@ -89,8 +89,7 @@ def fp8_band_table(rs: dict[str, dict]) -> str:
     for kind in ("fp8", "fp8fast"):
         fp8s, bf16s = band_results(rs, kind)
         if fp8s and bf16s:
-            what = "FP8 base weights" + (" with fast accumulation" if kind == "fp8fast" else "")
-            rows.append(f"\n{describe_fp8_band(fp8s, bf16s, what)}.")
+            rows.append(f"\n{describe_fp8_band(fp8s, bf16s, kind)}.")
     return "\n".join(rows)
 
 

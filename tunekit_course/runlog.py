@@ -216,8 +216,9 @@ def fp8_band(fp8s: list[dict], bf16s: list[dict], window: int = 20) -> dict | No
             "names": {"bf16": [b["name"] for b in bf16.values()], "fp8": [f["name"] for f, _ in pairs]}}
 
 
-def describe_fp8_band(fp8s: list[dict], bf16s: list[dict], what: str = "FP8 base weights") -> str:
-    """`fp8_band` as a sentence for the lesson, or why it cannot be said; `what` names the FP8 runs."""
+def describe_fp8_band(fp8s: list[dict], bf16s: list[dict], kind: str = "fp8") -> str:
+    """`fp8_band` as a sentence for the lesson, or why it cannot be said; `kind`: the FP8 runs' (`BAND_RUNS`)."""
+    what = "FP8 base weights" + (" with fast accumulation" if kind == "fp8fast" else "")
     c = fp8_band(fp8s, bf16s)
     if c is None:
         return ("FP8 against bf16's run-to-run band needs bf16 runs at two seeds and an FP8 run at one of them, on "

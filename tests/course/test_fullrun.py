@@ -245,6 +245,8 @@ def test_fp8_is_judged_against_what_the_seed_alone_moves():
     text = runlog.describe_fp8_band(fp8, bf16)
     assert "within 0.015 nats" in text and "differ by 0.020-0.040" in text and "inside bf16's run-to-run band" in text
     assert "FP8 higher than bf16 of its seed by 0.010-0.020 on average" in text
+    assert text.startswith("FP8 base weights against bf16") and runlog.describe_fp8_band(fp8, bf16, "fp8fast") \
+        .startswith("FP8 base weights with fast accumulation against bf16")
     outside = [run("f0", 0, 0.01, (5.05, 4.0))]  # 0.05 above bf16 at step 20, where the seeds differ by 0.04
     assert not runlog.fp8_band(outside, bf16)["within"]
     assert "outside bf16's run-to-run band" in runlog.describe_fp8_band(outside, bf16)
