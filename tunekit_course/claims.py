@@ -69,7 +69,7 @@ def c1(rs: dict[str, dict]) -> Verdict:
     workers = _row(t, "C1 in the loop, ")
     ratio = off["tokens_per_s"] / inl["tokens_per_s"]
     verdict = "holds" if ratio >= 2 else "partly" if ratio >= 1.2 else "not here"
-    ms = lambda r: f"{1000 * r['data_s_per_step']:.1f} ms"  # noqa: E731
+    ms = lambda r: f"{1000 * r['data_s_per_step']:.1f} ms"
     return Verdict("C1", verdict,
                    f"offline {_tps(off['tokens_per_s'])} vs in-loop {_tps(inl['tokens_per_s'])} real tok/s "
                    f"({ratio:.2f}x); the step waits for data {ms(inl)} in the loop, {ms(off)} offline and {ms(workers)} "
@@ -226,7 +226,7 @@ def c6(rs: dict[str, dict]) -> Verdict:
 def c7(rs: dict[str, dict]) -> Verdict:
     guides, ours, fit = rs["l2_4090_peft_guides_b4"], rs["l2_4090_tunekit_b4"], rs["l2_4090_fit"]
     cap = guides["memory_cap_gb"]
-    ratio, words = compare(ours, guides, noise_results(rs))
+    _ratio, words = compare(ours, guides, noise_results(rs))
     ok = max(guides["peak_memory_gb"], ours["peak_memory_gb"]) <= cap
     return Verdict("C7", "holds for a 24 GB card" if ok else "does not hold",
                    f"under a {cap:g} GB allocator cap on the {_gpu(ours)}, QLoRA batch 4 x 2048 with checkpointing took "
@@ -415,12 +415,12 @@ def parallel_targets(rs: dict[str, dict]) -> Verdict:
           "ddp": status(scaling, PARALLEL_TARGETS["ddp_scaling"], noise_band(ddp, one, noise)),
           "qlora": status(qratio, 1.0, noise_band(qf, q1, noise))}
     how = "compiled regionally" if full["config"].get("compile", "none") != "none" else "eager"
-    parts = [f"FSDP2 full fine-tune {_tps(full['tokens_per_s'])} tok/s per GPU ({how}, batch "
-             f"{full['config']['batch_size']}; target {_tps(PARALLEL_TARGETS['full'])}: {st['full']})",
-             f"DDP LoRA keeps {scaling:.1%} of one GPU's speed (target {PARALLEL_TARGETS['ddp_scaling']:.0%}: "
-             f"{st['ddp']}, band ±{noise_band(ddp, one, noise):.1%})",
-             f"FSDP2 QLoRA per GPU {qratio:.1%} of one GPU's at batch {qf['config']['batch_size']} ({st['qlora']}, band "
-             f"±{noise_band(qf, q1, noise):.1%})"]
+    parts = [(f"FSDP2 full fine-tune {_tps(full['tokens_per_s'])} tok/s per GPU ({how}, batch "
+              f"{full['config']['batch_size']}; target {_tps(PARALLEL_TARGETS['full'])}: {st['full']})"),
+             (f"DDP LoRA keeps {scaling:.1%} of one GPU's speed (target {PARALLEL_TARGETS['ddp_scaling']:.0%}: "
+              f"{st['ddp']}, band ±{noise_band(ddp, one, noise):.1%})"),
+             (f"FSDP2 QLoRA per GPU {qratio:.1%} of one GPU's at batch {qf['config']['batch_size']} ({st['qlora']}, band "
+              f"±{noise_band(qf, q1, noise):.1%})")]
     counts = {k: sum(v == k for v in st.values()) for k in ("met", "within noise", "missed")}
     verdict = "met" if counts["met"] == 3 else ", ".join(f"{n} {k}" for k, n in counts.items() if n)
     return Verdict("parallel targets", verdict, "; ".join(parts),
@@ -808,8 +808,8 @@ CLAIMS = {  # id: (the article says, how it is judged, or the lesson that will m
     "C10": ("DDP suits up to 8 GPUs, FSDP 8 and more", c10),
     "C11": ("a wrong NCCL setup makes multi-GPU runs slow", c11),
     "C12": ("gradient accumulation emulates a large batch", c12),
-    "parallel targets": ("*(tunekit's targets)* 2 GPUs: FSDP2 full 7B >= 11,500 tok/s per GPU, DDP LoRA >= 98% "
-                         "of one GPU, FSDP2 QLoRA >= one GPU", parallel_targets),
+    "parallel targets": (("*(tunekit's targets)* 2 GPUs: FSDP2 full 7B >= 11,500 tok/s per GPU, DDP LoRA >= 98% "
+                          "of one GPU, FSDP2 QLoRA >= one GPU"), parallel_targets),
     "scaling target": (("*(tunekit's target)* FSDP2 full fine-tune 7B keeps >= 90% of one GPU's speed per "
                         "GPU on 8 GPUs, at >= 11,500 tok/s per GPU"), scaling),
     "C13": ("TF32: +30% speed, almost no precision loss", c13),
