@@ -292,11 +292,12 @@ def plot_compare(result: dict):
     names = [r["stack"] for r in rows]
     colors = ["tab:green" if n == "tunekit" else "tab:gray" for n in names]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 0.6 * len(rows) + 1.8))
-    ax1.barh(names, [r["tokens_per_s"] for r in rows], color=colors)
-    for i, r in enumerate(rows):
-        ax1.text(r["tokens_per_s"], i, f" {r['tokens_per_s']:,.0f}", va="center", fontsize=8)
+    for ax, key, fmt in ((ax1, "tokens_per_s", "{:,.0f}"), (ax2, "peak_memory_gb", "{:.1f}")):
+        ax.barh(names, [r[key] for r in rows], color=colors)
+        for i, r in enumerate(rows):  # each bar's value at its end, room kept for it
+            ax.text(r[key], i, " " + fmt.format(r[key]), va="center", fontsize=8)
+        ax.set_xlim(0, 1.18 * max(r[key] for r in rows))
     ax1.set_xlabel("tokens/s (higher is better)")
-    ax2.barh(names, [r["peak_memory_gb"] for r in rows], color=colors)
     ax2.set_xlabel("peak allocated GB (lower is better)")
     ax2.set_yticks([])
     c = result["config"]

@@ -52,8 +52,12 @@ def test_a_stack_that_fails_is_recorded_with_its_error(fields, tmp_path):
 def test_chart_and_cli(fields, tmp_path, result, capsys):
     png = compare.save_chart(result, tmp_path / "c.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
-    title = compare.plot_compare({**result, "commit": "0123456789abcdef"}).get_suptitle()
+    fig = compare.plot_compare({**result, "commit": "0123456789abcdef"})
+    title = fig.get_suptitle()
     assert "0123456" not in title and result["name"] not in title and result["gpu"] in title  # provenance: the file's
+    rows = [r for r in result["stacks"] if "tokens_per_s" in r]
+    speed, memory = ([t.get_text().strip() for t in ax.texts] for ax in fig.axes)  # each bar says its value
+    assert speed == [f"{r['tokens_per_s']:,.0f}" for r in rows] and memory == [f"{r['peak_memory_gb']:.1f}" for r in rows]
     from tunekit.cli import main
 
     assert main(["bench", "--compare", "--preset", "tiny", "--stacks", "tunekit", "--out", str(tmp_path), *fields]) == 0
