@@ -24,9 +24,10 @@ def apply_environment() -> None:
     """What the environment sets for this process, read once by the entry point that owns it (the library never
     reads it at import): TUNEKIT_LORA_BMM=0 computes fused LoRA's FP8 products as plain matmuls
     (`fastlora.LORA_BMM`), to time both in one session; TUNEKIT_BF16_BMM=1 computes its bf16 products as
-    batch-of-one `bmm`s (`fastlora.BF16_BMM`); TUNEKIT_FP8_FAST_ACCUM=1 lets the FP8 input gradient's matmul
-    accumulate fast (`fastlora.FAST_ACCUM_BACKWARD`); TUNEKIT_COMPILE_MODE=reduce-overhead (or another of
-    torch.compile's modes) compiles the step in that mode (`speedups.COMPILE_MODE`)."""
+    batch-of-one `bmm`s (`fastlora.BF16_BMM`); TUNEKIT_FP8_FAST_ACCUM=0 makes the FP8 input gradient's matmul
+    accumulate at full precision (`fastlora.FAST_ACCUM_BACKWARD`; =1, the default, fast);
+    TUNEKIT_COMPILE_MODE=reduce-overhead (or another of torch.compile's modes) compiles the step in that mode
+    (`speedups.COMPILE_MODE`)."""
     if mode := os.environ.get("TUNEKIT_COMPILE_MODE"):
         from tunekit import speedups
 
@@ -37,9 +38,10 @@ def apply_environment() -> None:
     if bmm is not None or bf16 is not None or fast is not None:
         from tunekit import fastlora
 
-        fastlora.LORA_BMM = bmm != "0"
-        fastlora.BF16_BMM = bf16 == "1"
-        fastlora.FAST_ACCUM_BACKWARD = fast == "1"
+        # each switch only where its variable is set: the others keep the library's defaults
+        fastlora.LORA_BMM = bmm != "0" if bmm is not None else fastlora.LORA_BMM
+        fastlora.BF16_BMM = bf16 == "1" if bf16 is not None else fastlora.BF16_BMM
+        fastlora.FAST_ACCUM_BACKWARD = fast != "0" if fast is not None else fastlora.FAST_ACCUM_BACKWARD
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -145,18 +145,31 @@ def versions() -> dict:
     return out
 
 
+def fp8_fast_accum() -> bool:
+    """Whether FP8 input gradients accumulate fast in this process's runs and its children's:
+    TUNEKIT_FP8_FAST_ACCUM where set (the command line applies it, `cli.apply_environment`), else the library's
+    setting (`fastlora.FAST_ACCUM_BACKWARD`). Results before it became the default say it in `entry` alone."""
+    if (value := os.environ.get("TUNEKIT_FP8_FAST_ACCUM")) is not None:
+        return value != "0"
+    from tunekit import fastlora
+
+    return fastlora.FAST_ACCUM_BACKWARD
+
+
 def new_result(name: str, cfg: TuneConfig | None, tokens_per_s: float | None, peak_memory_gb: float | None,
                call: str = "", world_size: int | None = None, code_files: tuple[str, ...] = (), **fields) -> dict:
     """A result dict: the shared header (required keys, date, provenance) then `fields`, config and versions.
     `world_size` defaults to the processes of the running process group (1 without one); `tokens_per_s` is
     per GPU. `code_files`: the files outside the library that the measurement ran (an experiment of the
-    course's: `code_file(__file__)`), hashed with the library."""
+    course's: `code_file(__file__)`), hashed with the library. A run with FP8 says how its input gradients
+    accumulated (`fp8_fast_accum`)."""
+    fp8 = {"fp8_fast_accum": fp8_fast_accum()} if cfg is not None and cfg.fp8 else {}
     return {
         "name": name, "preset": cfg.preset if cfg else "-", "gpu": gpu_name(),
         "world_size": world_size or distributed.world_size(),
         "tokens_per_s": tokens_per_s, "peak_memory_gb": peak_memory_gb,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu_uuid": gpu_uuid(), **provenance(call, code_files), **fields,
+        "gpu_uuid": gpu_uuid(), **provenance(call, code_files), **fp8, **fields,
         "config": config_dict(cfg) if cfg else None, "versions": versions(),
     }
 

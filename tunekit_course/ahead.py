@@ -152,6 +152,12 @@ def fp8_benches(rs: dict[str, dict]) -> list[dict]:
     return [runs[0] for runs in _newest(found, 1).values()]
 
 
+def accumulates_fast(r: dict) -> bool:
+    """Whether FP8 run `r`'s input gradients accumulated fast: its `fp8_fast_accum`, or, in results from before
+    that was the default (and recorded), TUNEKIT_FP8_FAST_ACCUM=1 in its command."""
+    return r["fp8_fast_accum"] if "fp8_fast_accum" in r else "TUNEKIT_FP8_FAST_ACCUM=1" in (r.get("entry") or "")
+
+
 def judge_fp8(rs: dict[str, dict]) -> dict:
     """FP8's target: the fastest configuration's newest step bench at `FP8_TOKENS` or more, and whole runs of the
     recipe in FP8 of the same arithmetic (fast accumulation or not) within bf16's run-to-run band
@@ -163,7 +169,7 @@ def judge_fp8(rs: dict[str, dict]) -> dict:
     if not benches:
         return {"state": "unmeasured", "text": f"LoRA FP8, {LLAMA2}: target {want}, unmeasured", "files": ()}
     best = max(benches, key=lambda r: r["tokens_per_s"])
-    fast_accum = "TUNEKIT_FP8_FAST_ACCUM=1" in _switches(best)  # judged by the band runs of its arithmetic
+    fast_accum = accumulates_fast(best)  # judged by the band runs of its arithmetic
     band = fp8_band(*band_results(rs, "fp8fast" if fast_accum else "fp8"))
     learns = ("unmeasured" if band is None else "within it" if band["within"] else "outside it") + (
         " (with fast accumulation, as this bench)" if fast_accum else "")

@@ -80,3 +80,6 @@ def test_the_fp8_target_reads_the_band_runs_of_its_benchs_arithmetic():
     assert j["state"] == "missed" and "outside it" in j["text"]
     j = ahead.judge_fp8({**band, "b_plain": plain})  # without fast accumulation: the runs without it
     assert j["state"] == "met" and "within it;" not in j["text"] and "within it (target" in j["text"]
+    # since fast accumulation is the default a result says so itself; older ones in their command alone
+    assert ahead.accumulates_fast({**plain, "fp8_fast_accum": True}) and ahead.accumulates_fast(fast)
+    assert not ahead.accumulates_fast(plain) and not ahead.accumulates_fast({**fast, "fp8_fast_accum": False})

@@ -259,8 +259,12 @@ def test_fp8_is_judged_against_what_the_seed_alone_moves():
 def test_the_fp8_band_runs_are_the_recipe_at_two_seeds_in_both_dtypes():
     runs = {name: (args, env) for name, args, env in fullrun.band_runs(True)}
     assert set(runs) == {"l5c_bf16_s0", "l5c_fp8_s0", "l5c_bf16_s1", "l5c_fp8_s1", "l5c_fp8fast_s0", "l5c_fp8fast_s1"}
-    assert runs["l5c_fp8_s1"] == (["--preset", "tunekit_recipe", "--fp8", "true", "--seed", "1"], {})
+    assert runs["l5c_fp8_s1"] == (["--preset", "tunekit_recipe", "--fp8", "true", "--seed", "1"],
+                                  {"TUNEKIT_FP8_FAST_ACCUM": "0"})  # at full precision, as these runs were made
     assert runs["l5c_bf16_s0"] == (["--preset", "tunekit_recipe", "--fp8", "false", "--seed", "0"], {})
     # fast accumulation: the same FP8 run, with the input gradient's matmul accumulating fast
     assert runs["l5c_fp8fast_s1"] == (runs["l5c_fp8_s1"][0], {"TUNEKIT_FP8_FAST_ACCUM": "1"})
+    from tunekit import fastlora
+
+    assert fastlora.FAST_ACCUM_BACKWARD  # the library's default since the fast runs stayed inside the band
     assert all(args[:2] == ["--preset", "tiny"] for _, args, _ in fullrun.band_runs(False))

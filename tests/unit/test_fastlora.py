@@ -194,9 +194,10 @@ def test_the_command_line_sets_bf16_bmm_from_the_environment(monkeypatch):
     from tunekit import cli
 
     monkeypatch.setattr(fastlora, "BF16_BMM", False)
+    monkeypatch.delenv("TUNEKIT_FP8_FAST_ACCUM", raising=False)
     monkeypatch.setenv("TUNEKIT_BF16_BMM", "1")
-    cli.apply_environment()
-    assert fastlora.BF16_BMM is True and fastlora.LORA_BMM is True and fastlora.FAST_ACCUM_BACKWARD is False
+    cli.apply_environment()  # the switches whose variables are unset keep their defaults
+    assert fastlora.BF16_BMM is True and fastlora.LORA_BMM is True and fastlora.FAST_ACCUM_BACKWARD is True
 
 
 @pytest.mark.slow
@@ -223,19 +224,20 @@ def test_bf16_products_as_bmm_leave_inductor_no_matmul_to_fold_an_addition_into(
 
 
 def test_fast_accumulation_of_the_input_gradient_is_a_switch(ids, monkeypatch):
-    """The forward's FP8 matmuls accumulate fast, the input gradient's at full precision unless
-    `FAST_ACCUM_BACKWARD` (TUNEKIT_FP8_FAST_ACCUM=1 through the command line) says otherwise."""
+    """The forward's FP8 matmuls accumulate fast, and by default the input gradient's too; at full precision
+    where `FAST_ACCUM_BACKWARD` (TUNEKIT_FP8_FAST_ACCUM=0 through the command line) says so."""
     from tunekit import cli
 
     model, seen, real = _attach_fp8_cpu(lora_model()), [], fastlora.mm8
     monkeypatch.setattr(fastlora, "mm8",
                         lambda *a, fast_accum: seen.append(fast_accum) or real(*a, fast_accum=fast_accum))
-    for env, backward in ((None, False), ("1", True), ("0", False)):
+    assert fastlora.FAST_ACCUM_BACKWARD is True  # the library's default
+    for env, backward in ((None, True), ("1", True), ("0", False)):
         if env is None:
             monkeypatch.delenv("TUNEKIT_FP8_FAST_ACCUM", raising=False)
         else:
             monkeypatch.setenv("TUNEKIT_FP8_FAST_ACCUM", env)
-        monkeypatch.setattr(fastlora, "FAST_ACCUM_BACKWARD", False)
+        monkeypatch.setattr(fastlora, "FAST_ACCUM_BACKWARD", True)
         cli.apply_environment()
         assert fastlora.FAST_ACCUM_BACKWARD is backward and fastlora.LORA_BMM is True and not fastlora.BF16_BMM
         seen.clear()

@@ -46,6 +46,21 @@ def test_new_result_header(monkeypatch):
     assert results.new_result("x", cfg, 1.0, 1.0, gpu_uuid="GPU-9")["gpu_uuid"] == "GPU-9"  # a caller's own wins
 
 
+def test_a_run_with_fp8_says_how_its_input_gradients_accumulated(monkeypatch):
+    from tunekit import fastlora
+
+    monkeypatch.delenv("TUNEKIT_FP8_FAST_ACCUM", raising=False)
+    assert "fp8_fast_accum" not in results.new_result("x", tiny(), 1.0, 1.0)  # no FP8, nothing to say
+    fp8 = tiny(fp8=True)
+    assert results.new_result("x", fp8, 1.0, 1.0)["fp8_fast_accum"] is True  # the library's default
+    monkeypatch.setattr(fastlora, "FAST_ACCUM_BACKWARD", False)  # a script's own setting
+    assert results.new_result("x", fp8, 1.0, 1.0)["fp8_fast_accum"] is False
+    monkeypatch.setenv("TUNEKIT_FP8_FAST_ACCUM", "1")  # a parent process's: its children apply it
+    assert results.new_result("x", fp8, 1.0, 1.0)["fp8_fast_accum"] is True
+    monkeypatch.setenv("TUNEKIT_FP8_FAST_ACCUM", "0")
+    assert results.new_result("x", fp8, 1.0, 1.0)["fp8_fast_accum"] is False
+
+
 def test_provenance_from_the_environment_wins_over_git(monkeypatch):
     monkeypatch.setenv("TUNEKIT_COMMIT", "abc123")
     monkeypatch.setenv("TUNEKIT_DIRTY", "0")
