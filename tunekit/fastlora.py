@@ -85,9 +85,8 @@ LORA_BMM = True
 # H100's 466 ms grouped 7B step, `s31_profile_lora_group`); True (TUNEKIT_BF16_BMM=1): base and LoRA products
 # both as `bmm`, leaving no `mm` to fold into. Same numbers; off until timed on a GPU.
 BF16_BMM = False
-# FP8 input gradients accumulate fast, as the forward's: 1.02-1.04x the 7B step (H100, H200), in FP8's gradient
-# bounds (GPU test -k fused_fp8), and whole runs with it learn inside bf16's run-to-run band (`l5c_fp8fast_s*`).
-# False (TUNEKIT_FP8_FAST_ACCUM=0): at full precision, as torchao's rowwise recipe (the band's `l5c_fp8_s*`).
+# FP8 input gradients accumulate fast, as the forward's: 1.02-1.04x the 7B step, whole runs inside bf16's band
+# (`l5c_fp8fast_s*`); False (TUNEKIT_FP8_FAST_ACCUM=0): full precision, as torchao's rowwise (`l5c_fp8_s*`).
 FAST_ACCUM_BACKWARD = True
 
 
