@@ -38,10 +38,12 @@ def apply_environment() -> None:
     if bmm is not None or bf16 is not None or fast is not None:
         from tunekit import fastlora
 
-        # each switch only where its variable is set: the others keep the library's defaults
-        fastlora.LORA_BMM = bmm != "0" if bmm is not None else fastlora.LORA_BMM
-        fastlora.BF16_BMM = bf16 == "1" if bf16 is not None else fastlora.BF16_BMM
-        fastlora.FAST_ACCUM_BACKWARD = fast != "0" if fast is not None else fastlora.FAST_ACCUM_BACKWARD
+        if bmm is not None:  # each switch only where its variable is set: the others keep the library's defaults
+            fastlora.LORA_BMM = bmm != "0"
+        if bf16 is not None:
+            fastlora.BF16_BMM = bf16 == "1"
+        if fast is not None:
+            fastlora.FAST_ACCUM_BACKWARD = fast != "0"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -155,6 +155,7 @@ def describe_fp8(fp8: dict, bf16: dict) -> str:
 BAND_RUNS = tuple((f"l5c_{kind}_s{seed}", kind, seed) for kind, seed in (("bf16", 0), ("fp8", 0), ("bf16", 1),
                                                                         ("fp8", 1), ("fp8fast", 0), ("fp8fast", 1)))
 BAND_KINDS = {"bf16": "bf16", "fp8": "FP8", "fp8fast": "FP8, fast accumulation"}
+FP8_KINDS = ("fp8", "fp8fast")  # each judged against the bf16 runs on its own
 BAND_ENV = {"fp8": {"TUNEKIT_FP8_FAST_ACCUM": "0"}, "fp8fast": {"TUNEKIT_FP8_FAST_ACCUM": "1"}}  # each kind's env
 
 
