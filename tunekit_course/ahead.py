@@ -154,8 +154,8 @@ def fp8_benches(rs: dict[str, dict]) -> list[dict]:
 
 def accumulates_fast(r: dict) -> bool:
     """Whether FP8 run `r`'s input gradients accumulated fast: its `fp8_fast_accum`, or, in results from before
-    that was the default (and recorded), TUNEKIT_FP8_FAST_ACCUM=1 in its command."""
-    return r["fp8_fast_accum"] if "fp8_fast_accum" in r else "TUNEKIT_FP8_FAST_ACCUM=1" in (r.get("entry") or "")
+    that was the default (and recorded), TUNEKIT_FP8_FAST_ACCUM=1 among its command's switches (`_switches`)."""
+    return r["fp8_fast_accum"] if "fp8_fast_accum" in r else "TUNEKIT_FP8_FAST_ACCUM=1" in _switches(r)
 
 
 def judge_fp8(rs: dict[str, dict]) -> dict:
