@@ -343,3 +343,23 @@ def test_packing_gives_each_way_s_real_tokens_a_step_beside_its_ratio():
     assert "about the same real tokens a step (padded 2,400, grouped 2,300, packed 2,000)" in v.evidence
     assert "packed 1.20x padded, grouped 1.30x; packed with 4x the tokens a step 1.60x" in v.evidence
     assert "40% padded to the longest" in v.evidence and v.files == ("data_train",)
+
+
+def test_fp8_learning_quotes_the_band_of_each_arithmetic_measured():
+    """FP8's verdict quotes bf16's run-to-run band for each FP8 arithmetic that has whole runs: at full precision
+    and with fast accumulation (the library's default), each against the same bf16 runs, named once."""
+    from tests.course.test_ahead import _whole
+    from tunekit import results
+    from tunekit_course import RESULTS
+
+    steps = {n: r for n, r in results.by_name(RESULTS).items() if n.startswith("l4_")}  # its speed
+    rs = {**steps, **{r["name"]: r for r in (_whole("l5c_bf16_s0", 0, 0.0), _whole("l5c_bf16_s1", 1, 0.0),
+                                              _whole("l5c_fp8_s0", 0, 0.01))}}
+    v = claims.judge("fp8", rs)
+    assert "FP8 base weights against bf16" in v.evidence and "with fast accumulation" not in v.evidence
+    rs["l5c_fp8fast_s0"] = _whole("l5c_fp8fast_s0", 0, 0.02)
+    v = claims.judge("fp8", rs)
+    full, fast = v.evidence.split("FP8 base weights against bf16")[1].split("with fast accumulation against bf16")
+    assert "run-to-run band" in full and "run-to-run band" in fast
+    band = ("l5c_fp8_s0", "l5c_bf16_s0", "l5c_bf16_s1", "l5c_fp8fast_s0")
+    assert v.files[-4:] == band and len(set(v.files)) == len(v.files)
