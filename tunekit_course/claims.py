@@ -539,8 +539,8 @@ def fp8(rs: dict[str, dict]) -> Verdict:
     whole run of tunekit's recipe (FP8 base weights) against the same recipe without FP8 on the same batches
     (the 24 GB run, whole or stopped), where both were measured (`runlog.describe_fp8`), and the recipe's whole runs
     in bf16 and FP8 at two seeds each (`runlog.BAND_RUNS`), FP8's gap against what the seed alone moves
-    (`runlog.describe_fp8_band`), for each FP8 arithmetic measured (`runlog.FP8_KINDS`)."""
-    from tunekit_course.runlog import FP8_KINDS, band_results, describe_fp8_band
+    (`runlog.fp8_bands`), for each FP8 arithmetic measured."""
+    from tunekit_course.runlog import fp8_bands
 
     v = _switch_with_and_without_compile(rs, "fp8", "torchao float8 (rowwise)", "fp8")
     bf16 = rs.get("l5_tunekit_24gb") or rs.get("l5_tunekit_24gb_stopped")
@@ -549,11 +549,9 @@ def fp8(rs: dict[str, dict]) -> Verdict:
 
         v.evidence += f". Learning: {describe_fp8(rs['l5_tunekit'], bf16)}"
         v.files += (rs["l5_tunekit"]["name"], bf16["name"])
-    for kind in FP8_KINDS:  # full precision, then fast accumulation (the default): each against the same bf16 runs
-        fp8s, bf16s = band_results(rs, kind)
-        if fp8s and bf16s:
-            v.evidence += f". Against the run-to-run band: {describe_fp8_band(fp8s, bf16s, kind)}"
-            v.files += tuple(r["name"] for r in (*fp8s, *bf16s) if r["name"] not in v.files)
+    for _, fp8s, bf16s, sentence in fp8_bands(rs):  # full precision, then fast accumulation (the default)
+        v.evidence += f". Against the run-to-run band: {sentence}"
+        v.files += tuple(r["name"] for r in (*fp8s, *bf16s) if r["name"] not in v.files)
     return v
 
 

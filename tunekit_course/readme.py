@@ -68,9 +68,9 @@ def whole_runs_table(rs: dict[str, dict]) -> str:
 
 def fp8_band_table(rs: dict[str, dict]) -> str:
     """The whole runs of tunekit's recipe in bf16 and FP8 (two kinds) at two seeds (`runlog.BAND_RUNS`), a row
-    each, and what they say of each FP8 kind against bf16's run-to-run band (`runlog.describe_fp8_band`);
+    each, and what they say of each FP8 kind against bf16's run-to-run band (`runlog.fp8_bands`);
     "unmeasured" rows where a run has no result."""
-    from tunekit_course.runlog import BAND_KINDS, BAND_RUNS, FP8_KINDS, band_results, describe_fp8_band
+    from tunekit_course.runlog import BAND_KINDS, BAND_RUNS, fp8_bands
 
     head = ("| name | base weights | seed | GPU | wall-clock, min | steady real tok/s (p10–p90) | peak GB | "
             "held-out loss after each epoch | commit |")
@@ -86,10 +86,7 @@ def fp8_band_table(rs: dict[str, dict]) -> str:
         rows.append(f"| {name} | {kind} | {seed} | {(r.get('gpu') or '-').removeprefix('NVIDIA ')} | "
                     f"{r['wall_s'] / 60:.1f} | {tps} | {r['peak_memory_gb']:.1f} | {losses} | "
                     f"{(r.get('commit') or '-')[:7]} |")
-    for kind in FP8_KINDS:
-        fp8s, bf16s = band_results(rs, kind)
-        if fp8s and bf16s:
-            rows.append(f"\n{describe_fp8_band(fp8s, bf16s, kind)}.")
+    rows += [f"\n{sentence}." for *_, sentence in fp8_bands(rs)]
     return "\n".join(rows)
 
 
