@@ -172,18 +172,19 @@ def figure_disagreements(committed, replayed, names: list[str], notebook: str = 
             if name and not WHERE_FROM.search(line):
                 shown.setdefault(name, []).extend(_figures(rest))
         lines = {line.strip() for line in "\n".join(_texts(mine)).split("\n")}
+        cell = f"{notebook + ', ' if notebook else ''}cell index {i}"
         for line in "\n".join(_texts(now)).split("\n"):
             name, rest = _named(line, names)
             if _published_alone(line):  # read from the published results alone: the committed cell shows it as is
                 if held is not None:
                     held.append(line)
                 if line.strip() not in lines:
-                    out.append(f"{notebook + ', ' if notebook else ''}cell index {i}: the code prints "
-                               f"{line.strip()[:200]!r} today; the committed cell does not show that line")
+                    out.append(f"{cell}: the code prints {line.strip()[:200]!r} today; the committed cell does not "
+                               "show that line")
                 continue
             if not name or WHERE_FROM.search(line):
                 continue
-            where = f"{notebook + ', ' if notebook else ''}cell index {i}: {name}"
+            where = f"{cell}: {name}"
             if held is not None:
                 held.append(line)
             if name not in shown:
