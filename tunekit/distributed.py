@@ -112,7 +112,7 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_reduce_sum(value: int | float | torch.Tensor):
+def all_reduce_sum(value: float | torch.Tensor):
     """The sum of `value` over all ranks (itself when not distributed); returns the type it was given. A
     tensor stays on its device (NCCL reduces GPU tensors, gloo CPU ones)."""
     if not dist.is_initialized():

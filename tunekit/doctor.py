@@ -135,8 +135,8 @@ def distributed_report(environ: dict | None = None, ib_root: str = "/sys/class/i
     rows.append(("InfiniBand", ", ".join(ib) if ib else "none: NCCL falls back to sockets between nodes "
                  "(within one node GPUs talk over NVLink/PCIe, which IB does not affect)"))
     if env.get("NCCL_IB_DISABLE") == "1" and any("ACTIVE" in d for d in ib):
-        rows.append(("NCCL_IB_DISABLE", "=1 but an InfiniBand port is ACTIVE: multi-node traffic goes over "
-                     "TCP sockets instead, many times slower. Unset it."))
+        rows.append(("NCCL_IB_DISABLE", ("=1 but an InfiniBand port is ACTIVE: multi-node traffic goes over "
+                                         "TCP sockets instead, many times slower. Unset it.")))
     elif "NCCL_IB_DISABLE" in env:
         rows.append(("NCCL_IB_DISABLE", f"={env['NCCL_IB_DISABLE']} (harmless here: no active IB port)"))
     interfaces = network_interfaces(net_root)
@@ -151,8 +151,8 @@ def distributed_report(environ: dict | None = None, ib_root: str = "/sys/class/i
         rows.append(("GPU peer access", "every pair" if not blocked else
                      f"not between {', '.join(blocked)}: NCCL copies through host memory there"))
     if env.get("NCCL_P2P_DISABLE") == "1":
-        rows.append(("NCCL_P2P_DISABLE", "=1: GPUs of one node talk through host memory, not NVLink. Unset it "
-                     "unless P2P is broken on this machine."))
+        rows.append(("NCCL_P2P_DISABLE", ("=1: GPUs of one node talk through host memory, not NVLink. Unset it "
+                                          "unless P2P is broken on this machine.")))
     nvls = env.get("NCCL_NVLS_ENABLE")
     rows.append(("NCCL_NVLS_ENABLE", f"={nvls}" if nvls is not None else
                  "unset: NCCL uses NVLink SHARP where the NVSwitch offers it; where that misbehaves (multicast "

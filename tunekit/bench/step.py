@@ -345,7 +345,7 @@ def measure_noise(preset: str, args: list[str], name: str, runs: int = 3, verbos
             path = Path(tmp) / f"run{i}.json"
             cmd = [sys.executable, "-m", "tunekit.cli", "bench", "--preset", preset, *args, "--name", f"{name}_run{i}",
                    "--out", str(path)]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if proc.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
             files.append(json.loads(path.read_text()))
