@@ -549,7 +549,7 @@ def fp8(rs: dict[str, dict]) -> Verdict:
 
         v.evidence += f". Learning: {describe_fp8(rs['l5_tunekit'], bf16)}"
         v.files += (rs["l5_tunekit"]["name"], bf16["name"])
-    for _, fp8s, bf16s, sentence in fp8_bands(rs):  # full precision, then fast accumulation (the default)
+    for fp8s, bf16s, sentence in fp8_bands(rs):  # full precision, then fast accumulation (the default)
         v.evidence += f". Against the run-to-run band: {sentence}"
         v.files += tuple(r["name"] for r in (*fp8s, *bf16s) if r["name"] not in v.files)
     return v

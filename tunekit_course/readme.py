@@ -86,7 +86,7 @@ def fp8_band_table(rs: dict[str, dict]) -> str:
         rows.append(f"| {name} | {kind} | {seed} | {(r.get('gpu') or '-').removeprefix('NVIDIA ')} | "
                     f"{r['wall_s'] / 60:.1f} | {tps} | {r['peak_memory_gb']:.1f} | {losses} | "
                     f"{(r.get('commit') or '-')[:7]} |")
-    rows += [f"\n{sentence}." for *_, sentence in fp8_bands(rs)]
+    rows += [f"\n{sentence}." for _, _, sentence in fp8_bands(rs)]
     return "\n".join(rows)
 
 

@@ -242,9 +242,9 @@ def describe_fp8_band(fp8s: list[dict], bf16s: list[dict], kind: str = "fp8") ->
             f"{' and '.join(str(s) for s in c['fp8_seeds'])}, each on its bf16 run's batches): {held}; {train}")
 
 
-def fp8_bands(rs: dict[str, dict]) -> list[tuple[str, list[dict], list[dict], str]]:
-    """(kind, its FP8 runs, the bf16 runs, `describe_fp8_band`'s sentence) for each of `FP8_KINDS` that has runs
-    of its own and bf16 runs among results `rs`, full precision first: what the README, the claims and lesson 5
-    say of the band."""
-    return [(kind, fp8s, bf16s, describe_fp8_band(fp8s, bf16s, kind))
+def fp8_bands(rs: dict[str, dict]) -> list[tuple[list[dict], list[dict], str]]:
+    """(the FP8 runs, the bf16 runs, `describe_fp8_band`'s sentence, which names the kind) for each of `FP8_KINDS`
+    that has runs of its own and bf16 runs among results `rs`, full precision first: what the README, the claims
+    and lesson 5 say of the band."""
+    return [(fp8s, bf16s, describe_fp8_band(fp8s, bf16s, kind))
             for kind in FP8_KINDS for fp8s, bf16s in [band_results(rs, kind)] if fp8s and bf16s]
