@@ -18,9 +18,6 @@ from tunekit.presets import get_preset, resolve, tiny
 from tunekit_course import notebook, pages
 
 NOTEBOOKS = sorted((REPO_ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-# a lesson rewritten ahead of the GPU execution that will put it in notebooks/ (its committed outputs must come
-# from a GPU run): held to the same rules for its code and text, and run where it will live
-DRAFTS = sorted((REPO_ROOT / "tunekit_course" / "drafts").glob("[0-9][0-9]_*.ipynb"))
 
 
 @pytest.fixture
@@ -181,7 +178,7 @@ BOOKKEEPING = re.compile(r"\bissues? ?#?\d+|\.\./shared|\btarget (?:>=|<=|\(|is)
                          re.IGNORECASE)
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS + DRAFTS, ids=lambda p: p.parent.name + "/" + p.name)
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_a_learner_s_page_carries_no_bookkeeping(path):
     nb = nbformat.read(path, as_version=4)
     texts = [(i, cell.source) for i, cell in enumerate(nb.cells) if cell.cell_type == "markdown"]
@@ -213,7 +210,7 @@ def test_execute_writes_plain_text_progress_and_the_kernelspec(tmp_path, monkeyp
 def test_notebook_code_fits_a_laptop_screen():
     """No code line of a notebook is over 100 characters: every cell reads
     on a laptop screen in JupyterLab."""
-    paths = sorted((REPO_ROOT / "notebooks").glob("*.ipynb")) + DRAFTS
+    paths = sorted((REPO_ROOT / "notebooks").glob("*.ipynb"))
     assert paths
     long = [f"{path.name}, cell index {i}, line {j + 1} ({len(line)} characters): {line}"
             for path in paths for i, cell in enumerate(nbformat.read(path, as_version=4).cells)
@@ -668,21 +665,6 @@ def test_quiet_turns_the_libraries_progress_bars_off_inside_and_back_as_they_wer
     finally:
         if before[1]:
             datasets.enable_progress_bars()
-
-
-@pytest.mark.parametrize("path", DRAFTS, ids=lambda p: p.name)
-@pytest.mark.parametrize("mode", ["smoke", "replay"])
-def test_a_draft_lesson_runs_in_the_folder_it_will_live_in(path, mode, monkeypatch):
-    import nbclient
-
-    monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel's own backend, as notebooks/conftest.py starts it
-    monkeypatch.setenv("TUNEKIT_SMOKE" if mode == "smoke" else "TUNEKIT_REPLAY", "1")
-    nb = nbformat.read(path, as_version=4)
-    assert not any(cell.get("outputs") for cell in nb.cells)  # outputs come from its GPU execution, in notebooks/
-    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                            resources={"metadata": {"path": str(REPO_ROOT / "notebooks")}}).execute()
-    errors = [o for cell in nb.cells for o in cell.get("outputs", []) if o.get("name") == "stderr"]
-    assert not errors, errors
 
 
 def test_lesson_2_s_steps_read_your_earlier_results_back_and_measure_the_rest(fake_gpu, monkeypatch, capsys):
