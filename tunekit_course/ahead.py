@@ -162,7 +162,7 @@ def judge_fp8(rs: dict[str, dict]) -> dict:
     """FP8's target: the fastest configuration's newest step bench at `FP8_TOKENS` or more, and whole runs of the
     recipe in FP8 of the same arithmetic (fast accumulation or not) within bf16's run-to-run band
     (`runlog.fp8_band`)."""
-    from tunekit_course.runlog import band_results, fp8_band
+    from tunekit_course.runlog import band_results, fp8_band, fp8_kind
 
     benches = fp8_benches(rs)
     want = f">= {FP8_TOKENS:,} tok/s and a loss curve within bf16's run-to-run band"
@@ -170,7 +170,7 @@ def judge_fp8(rs: dict[str, dict]) -> dict:
         return {"state": "unmeasured", "text": f"LoRA FP8, {LLAMA2}: target {want}, unmeasured", "files": ()}
     best = max(benches, key=lambda r: r["tokens_per_s"])
     fast_accum = accumulates_fast(best)  # judged by the band runs of its arithmetic
-    band = fp8_band(*band_results(rs, "fp8fast" if fast_accum else "fp8"))
+    band = fp8_band(*band_results(rs, fp8_kind(fast_accum)))
     learns = ("unmeasured" if band is None else "within it" if band["within"] else "outside it") + (
         " (with fast accumulation, as this bench)" if fast_accum else "")
     fast = best["tokens_per_s"] >= FP8_TOKENS

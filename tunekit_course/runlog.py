@@ -159,6 +159,11 @@ FP8_KINDS = ("fp8", "fp8fast")  # each judged against the bf16 runs on its own
 BAND_ENV = {"fp8": {"TUNEKIT_FP8_FAST_ACCUM": "0"}, "fp8fast": {"TUNEKIT_FP8_FAST_ACCUM": "1"}}  # each kind's env
 
 
+def fp8_kind(fast_accum: bool) -> str:
+    """The `BAND_RUNS` kind of FP8 runs whose input gradients accumulate fast (`fast_accum`) or at full precision."""
+    return "fp8fast" if fast_accum else "fp8"
+
+
 def band_results(rs: dict[str, dict], fp8: str = "fp8") -> tuple[list[dict], list[dict]]:
     """(the FP8 runs of kind `fp8`, the bf16 runs) of `BAND_RUNS` among results `rs`."""
     return tuple([rs[name] for name, kind, _ in BAND_RUNS if name in rs and kind == want] for want in (fp8, "bf16"))
