@@ -89,3 +89,4 @@ def test_a_run_loads_from_another_folder(tmp_path, small_data, monkeypatch):
     monkeypatch.chdir(tmp_path / "b")
     model, tokenizer, saved = export.load_run(tmp_path / "a" / "runs" / "x", dtype=torch.float32)
     assert saved.out_dir == "runs/x" and len(tokenizer) > 0
+    assert not model.training and next(model.parameters()).dtype == torch.float32

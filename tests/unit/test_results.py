@@ -221,6 +221,7 @@ def _speed(tps: float, batch: int, spread: float = 0.0) -> dict:
 def test_compare_says_same_within_noise():
     assert results.compare(_speed(110, 4), _speed(100, 4)) == pytest.approx((1.1, "1.10x"))
     ratio, words = results.compare(_speed(103, 4, 0.02), _speed(100, 4, 0.04))
+    assert ratio == pytest.approx(1.03)
     assert words == "1.03x, same within noise (±4%)"
     noise = {"n1": {"between_run_spread": 0.2, "config": {"batch_size": 1}},
              "n4": {"between_run_spread": 0.01, "config": {"batch_size": 4}}}
